@@ -1,0 +1,66 @@
+"""Typed errors. Every message says what the user can do about it."""
+
+from __future__ import annotations
+
+GIB = 2**30
+
+
+def _gib(n: int | float) -> str:
+    return f"{n / GIB:.3f} GiB"
+
+
+class RematError(Exception):
+    """Base class of every error tfremat raises on purpose."""
+
+
+class UnsupportedGraphError(RematError):
+    """The traced step contains something tfremat cannot rewrite safely."""
+
+
+class UnknownShapeError(UnsupportedGraphError):
+    """A tensor has a dimension unknown at trace time, so its size cannot be planned."""
+
+    def __init__(self, tensor_name: str, shape: object):
+        self.tensor_name = tensor_name
+        self.shape = shape
+        super().__init__(
+            f"tensor {tensor_name!r} has shape {shape} with an unknown dimension, so its "
+            "bytes cannot be planned. Call the step with fully defined shapes (e.g. a "
+            "fixed batch size: drop_remainder=True in tf.data, or an input_signature "
+            "with static dims)."
+        )
+
+
+class InvalidScheduleError(RematError, ValueError):
+    """A schedule is not a valid execution of its graph (a solver bug, or bad input)."""
+
+
+class InfeasibleBudgetError(RematError, ValueError):
+    """No plan the solver can find fits in the budget.
+
+    Attributes
+    ----------
+    budget_bytes : int
+        The budget asked for.
+    min_feasible_bytes : int
+        The smallest budget this solver can meet (or a proven lower bound when the
+        solver could not find any plan): asking for at least this much works.
+    """
+
+    def __init__(self, budget_bytes: int, min_feasible_bytes: int, detail: str = ""):
+        self.budget_bytes = int(budget_bytes)
+        self.min_feasible_bytes = int(min_feasible_bytes)
+        msg = (
+            f"budget {_gib(budget_bytes)} ({budget_bytes} bytes) is too small: the "
+            f"smallest budget this solver can meet is {_gib(min_feasible_bytes)} "
+            f"({min_feasible_bytes} bytes). Raise budget_gib to at least "
+            f"{min_feasible_bytes / GIB:.3f}, reduce the batch size, or try another "
+            "solver (solver='exact')."
+        )
+        if detail:
+            msg += f" ({detail})"
+        super().__init__(msg)
+
+
+class SolverUnavailableError(RematError, ImportError):
+    """A solver needs an optional dependency that is not installed."""

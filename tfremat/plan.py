@@ -1,0 +1,101 @@
+"""Problem and Plan: the solver contract's input and output (no TensorFlow)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Hashable, Literal
+
+import networkx as nx
+
+Node = Hashable
+Status = Literal["optimal", "feasible", "heuristic", "unchanged"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """What a solver is asked.
+
+    Parameters
+    ----------
+    graph : networkx.DiGraph
+        Dataflow graph. Edge ``u -> v``: ``v`` consumes ``u``'s output. Node attributes:
+        ``bytes`` (int, output size), ``cost`` (float >= 0, compute cost of one run),
+        ``recomputable`` (bool; a node that is not must run exactly once) and,
+        optionally, ``phase`` ("forward", "backward", "update", "input").
+        Graph attribute ``order``: the reference topological order (the schedule
+        with no recomputation).
+    budget_bytes : int
+        The peak the schedule must not exceed, fixed bytes included.
+    fixed_bytes : int
+        Bytes live for the whole step (variables, inputs), added at every position.
+    time_limit_s : float or None
+        Wall-clock limit for solvers that search; None means the solver's default.
+    """
+
+    graph: nx.DiGraph
+    budget_bytes: int
+    fixed_bytes: int = 0
+    time_limit_s: float | None = None
+
+    @property
+    def order(self) -> list[Node]:
+        order = self.graph.graph.get("order")
+        if order is None:
+            order = list(nx.lexicographical_topological_sort(self.graph, key=str))
+        return list(order)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A solver's answer, checked by :func:`tfremat.simulate.simulate`.
+
+    ``schedule`` lists node ids in execution order; a repeated id is a recomputation
+    and every consumer binds to the most recent computation of each input.
+    """
+
+    schedule: tuple[Node, ...]
+    budget_bytes: int
+    predicted_peak_bytes: int
+    baseline_peak_bytes: int
+    cost: float
+    baseline_cost: float
+    solver: str
+    status: Status
+    cost_lower_bound: float | None = None
+    solve_s: float = 0.0
+
+    @property
+    def recomputed(self) -> tuple[Node, ...]:
+        """Nodes computed more than once, in order of first recomputation."""
+        seen: set = set()
+        out: list = []
+        for v in self.schedule:
+            if v in seen and v not in out:
+                out.append(v)
+            seen.add(v)
+        return tuple(out)
+
+    @property
+    def extra_cost(self) -> float:
+        return self.cost - self.baseline_cost
+
+    @property
+    def extra_cost_fraction(self) -> float:
+        return self.extra_cost / self.baseline_cost if self.baseline_cost else 0.0
+
+    def kept(self, graph: nx.DiGraph) -> tuple[Node, ...]:
+        """Forward outputs held for the backward pass (consumed across phases), not recomputed."""
+        rec = set(self.recomputed)
+        out = []
+        for v in graph.nodes:
+            if v in rec or graph.nodes[v].get("bytes", 0) <= 0:
+                continue
+            phase = graph.nodes[v].get("phase", "forward")
+            if phase != "forward":
+                continue
+            if any(graph.nodes[s].get("phase", "forward") != "forward" for s in graph.successors(v)):
+                out.append(v)
+        return tuple(out)
+
+
+Solver = Callable[[Problem], Plan]

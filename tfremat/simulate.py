@@ -1,0 +1,128 @@
+"""The independent checker: peak memory and cost of a schedule (no TensorFlow).
+
+Accounting (the one Checkmate and Moccasin use, see the README of
+``shared/benchmarks/checkmate-graphs``): a schedule is a sequence of node ids, a
+repeated id being a recomputation. When node ``v`` runs at position ``j`` each input
+binds to that input's most recent computation before ``j``. Memory at ``j`` is the
+size of every earlier computation that still has a consumer bound to it at a position
+``>= j``, plus the size of ``v``'s output, plus the fixed bytes. The peak is the
+maximum over ``j``; the cost is the sum of node costs over the sequence.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Hashable, Iterable, Sequence
+
+import networkx as nx
+import numpy as np
+
+from .errors import InvalidScheduleError
+
+Node = Hashable
+
+
+@dataclasses.dataclass(frozen=True)
+class Simulation:
+    """Result of :func:`simulate`.
+
+    Attributes
+    ----------
+    peak_bytes : int
+        Maximum of ``memory``.
+    cost : float
+        Sum of node costs over the schedule.
+    memory : numpy.ndarray
+        Bytes live at each position (fixed bytes included), int64.
+    peak_position : int
+        First position where the peak is reached.
+    """
+
+    peak_bytes: int
+    cost: float
+    memory: np.ndarray
+    peak_position: int
+
+
+def simulate(graph: nx.DiGraph, schedule: Sequence[Node], fixed_bytes: int = 0) -> Simulation:
+    """Check ``schedule`` against ``graph`` and return its peak memory and cost.
+
+    Parameters
+    ----------
+    graph : networkx.DiGraph
+        Node attributes ``bytes`` (int), ``cost`` (number), optional ``recomputable``
+        (default True).
+    schedule : sequence of node ids
+        Execution order; repeated ids are recomputations.
+    fixed_bytes : int
+        Added at every position.
+
+    Returns
+    -------
+    Simulation
+
+    Raises
+    ------
+    InvalidScheduleError
+        If a node is unknown, runs before one of its inputs was computed, is never
+        computed, or a non-recomputable node runs more than once.
+    """
+    n = len(schedule)
+    if n == 0:
+        if graph.number_of_nodes():
+            raise InvalidScheduleError("empty schedule for a non-empty graph")
+        return Simulation(int(fixed_bytes), 0.0, np.zeros(0, np.int64), 0)
+    nodes = graph.nodes
+    last_comp: dict = {}
+    last_use = np.arange(n, dtype=np.int64)
+    sizes = np.empty(n, dtype=np.int64)
+    cost = 0.0
+    for j, v in enumerate(schedule):
+        if v not in nodes:
+            raise InvalidScheduleError(f"schedule position {j}: unknown node {v!r}")
+        attrs = nodes[v]
+        if v in last_comp and not attrs.get("recomputable", True):
+            raise InvalidScheduleError(
+                f"schedule position {j}: node {v!r} is not recomputable but runs twice"
+            )
+        for u in graph.predecessors(v):
+            i = last_comp.get(u)
+            if i is None:
+                raise InvalidScheduleError(
+                    f"schedule position {j}: node {v!r} runs before its input {u!r}"
+                )
+            if last_use[i] < j:
+                last_use[i] = j
+        last_comp[v] = j
+        sizes[j] = attrs["bytes"]
+        cost += attrs["cost"]
+    if len(last_comp) != graph.number_of_nodes():
+        missing = [v for v in graph.nodes if v not in last_comp][:5]
+        raise InvalidScheduleError(f"nodes never computed, e.g. {missing!r}")
+    diff = np.zeros(n + 1, dtype=np.int64)
+    np.add.at(diff, np.arange(n), sizes)
+    np.add.at(diff, last_use + 1, -sizes)
+    memory = np.cumsum(diff[:n]) + int(fixed_bytes)
+    pos = int(np.argmax(memory))
+    return Simulation(int(memory[pos]), float(cost), memory, pos)
+
+
+def reference_simulation(graph: nx.DiGraph, fixed_bytes: int = 0) -> Simulation:
+    """Simulate the reference order (graph attribute ``order``, else a topological sort)."""
+    order = graph.graph.get("order")
+    if order is None:
+        order = list(nx.topological_sort(graph))
+    return simulate(graph, order, fixed_bytes)
+
+
+def single_op_lower_bound(graph: nx.DiGraph, fixed_bytes: int = 0) -> int:
+    """A proven lower bound on any schedule's peak: the largest op's inputs + output + fixed."""
+    best = 0
+    for v in graph.nodes:
+        need = graph.nodes[v]["bytes"] + sum(graph.nodes[u]["bytes"] for u in graph.predecessors(v))
+        best = max(best, need)
+    return int(best + fixed_bytes)
+
+
+def schedule_cost(graph: nx.DiGraph, schedule: Iterable[Node]) -> float:
+    return float(sum(graph.nodes[v]["cost"] for v in schedule))
