@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Hashable, Literal
+from typing import Callable, Hashable, Literal, Sequence
 
 import networkx as nx
 
@@ -51,6 +51,8 @@ class Plan:
 
     ``schedule`` lists node ids in execution order; a repeated id is a recomputation
     and every consumer binds to the most recent computation of each input.
+    ``kept`` lists the forward values held for a later phase without recomputation
+    (see :func:`kept_values`).
     """
 
     schedule: tuple[Node, ...]
@@ -63,6 +65,7 @@ class Plan:
     status: Status
     cost_lower_bound: float | None = None
     solve_s: float = 0.0
+    kept: tuple[Node, ...] = ()
 
     @property
     def recomputed(self) -> tuple[Node, ...]:
@@ -83,19 +86,31 @@ class Plan:
     def extra_cost_fraction(self) -> float:
         return self.extra_cost / self.baseline_cost if self.baseline_cost else 0.0
 
-    def kept(self, graph: nx.DiGraph) -> tuple[Node, ...]:
-        """Forward outputs held for the backward pass (consumed across phases), not recomputed."""
-        rec = set(self.recomputed)
-        out = []
-        for v in graph.nodes:
-            if v in rec or graph.nodes[v].get("bytes", 0) <= 0:
-                continue
-            phase = graph.nodes[v].get("phase", "forward")
-            if phase != "forward":
-                continue
-            if any(graph.nodes[s].get("phase", "forward") != "forward" for s in graph.successors(v)):
-                out.append(v)
-        return tuple(out)
-
-
 Solver = Callable[[Problem], Plan]
+
+
+def kept_values(graph: nx.DiGraph, schedule: Sequence[Node]) -> tuple[Node, ...]:
+    """Forward values with bytes that a later phase consumes and that are never recomputed.
+
+    Graphs without ``phase`` attributes have no such split: there, every node with
+    bytes computed once and consumed at least once counts as kept.
+    """
+    counts: dict = {}
+    for v in schedule:
+        counts[v] = counts.get(v, 0) + 1
+    out = []
+    for v in graph.nodes:
+        attrs = graph.nodes[v]
+        if counts.get(v, 0) != 1 or attrs.get("bytes", 0) <= 0:
+            continue
+        phase = attrs.get("phase", "forward")
+        if phase != "forward":
+            continue
+        succ = list(graph.successors(v))
+        if not succ:
+            continue
+        if "phase" not in attrs or any(
+            graph.nodes[s].get("phase", "forward") != "forward" for s in succ
+        ):
+            out.append(v)
+    return tuple(out)

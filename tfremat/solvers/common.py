@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Hashable, Sequence
 
-from ..plan import Plan, Problem, Status
+from ..plan import Plan, Problem, Status, kept_values
 from ..simulate import reference_simulation, simulate
 
 
@@ -30,4 +30,5 @@ def make_plan(
         status=status,
         cost_lower_bound=cost_lower_bound,
         solve_s=solve_s,
+        kept=kept_values(problem.graph, schedule),
     )
