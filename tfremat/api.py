@@ -1,0 +1,267 @@
+"""The ``remat`` decorator: validate the budget, trace per input signature, cache.
+
+Pipeline for each new input signature: trace (``trace.py``) -> planning graph
+(``graph.py``) -> plan (``solvers``, re-checked by ``simulate.py``) -> rewritten
+GraphDef (``rewrite.py``) -> callable (``emit.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import numbers
+import threading
+from typing import Any, Callable
+
+from .errors import GIB, InfeasibleBudgetError, RematError
+from .plan import Plan, Problem
+from .solvers import SolverLike, get_solver, solve
+
+# The simulator is exact for tensors the graph names, but kernels also allocate
+# scratch space and the allocator rounds; plans aim this much under the budget.
+DEFAULT_HEADROOM = 0.05
+
+
+def budget_to_bytes(budget_gib: Any) -> int:
+    """Validate ``budget_gib`` (GiB, 1 GiB = 2**30 bytes) and return bytes.
+
+    Raises
+    ------
+    TypeError
+        For a bool, a string, None or any non-real number.
+    ValueError
+        For NaN, infinity, zero or a negative budget, or one under one byte.
+    """
+    if isinstance(budget_gib, bool) or not isinstance(budget_gib, numbers.Real):
+        raise TypeError(
+            f"budget_gib must be a real number of GiB (e.g. budget_gib=1.5), not "
+            f"{type(budget_gib).__name__} {budget_gib!r}"
+        )
+    value = float(budget_gib)
+    if math.isnan(value) or math.isinf(value):
+        raise ValueError(f"budget_gib must be finite, got {budget_gib!r}")
+    if value <= 0:
+        raise ValueError(f"budget_gib must be positive, got {budget_gib!r}")
+    n = int(value * GIB)
+    if n < 1:
+        raise ValueError(f"budget_gib={budget_gib!r} is under one byte")
+    return n
+
+
+def _validate_headroom(headroom: Any) -> float:
+    if isinstance(headroom, bool) or not isinstance(headroom, numbers.Real):
+        raise TypeError(f"headroom must be a fraction in [0, 1), not {headroom!r}")
+    if not 0 <= float(headroom) < 1:
+        raise ValueError(f"headroom must be in [0, 1), got {headroom!r}")
+    return float(headroom)
+
+
+@dataclasses.dataclass
+class _Entry:
+    traced: Any
+    step_graph: Any
+    plan: Plan
+    fn: Callable
+    rewrite_info: Any
+
+
+class RematFunction:
+    """A train step rewritten to fit ``budget_bytes``; call it like the original.
+
+    One rewritten function is traced, planned and cached per input signature (shapes,
+    dtypes and non-tensor arguments), like ``tf.function``. The wrapped function is
+    left untouched and keeps working.
+    """
+
+    def __init__(self, fn: Callable, budget_bytes: int, solver: SolverLike, headroom: float, strict: bool):
+        self._fn = fn
+        self.budget_bytes = budget_bytes
+        self.solver = solver
+        self.headroom = headroom
+        self.strict = strict
+        self._cache: dict = {}
+        self._lock = threading.Lock()
+        self._tf_fn = None
+        functools.update_wrapper(self, fn)
+
+    # -- public --------------------------------------------------------------
+    @property
+    def budget_gib(self) -> float:
+        return self.budget_bytes / GIB
+
+    def __call__(self, *args, **kwargs):
+        from .trace import flat_tensor_args
+
+        entry = self._entry(args, kwargs)
+        return entry.fn(*flat_tensor_args(entry.traced.python_function, args, kwargs))
+
+    def get_plan(self, *args, **kwargs) -> Plan:
+        """The plan used for these arguments (traces and solves on first use).
+
+        ``budget_bytes`` is the budget you gave; the solver aimed ``headroom`` under it.
+
+        Raises
+        ------
+        InfeasibleBudgetError
+            When no plan fits; ``min_feasible_bytes`` says which budget would.
+        """
+        return self._entry(args, kwargs).plan
+
+    def get_concrete_function(self, *args, **kwargs):
+        """The rewritten ``tf.function``'s concrete function for these arguments."""
+        from .trace import flat_tensor_args
+
+        entry = self._entry(args, kwargs)
+        return entry.fn.get_concrete_function(*entry.traced.arg_specs)
+
+    def explain(self, *args, **kwargs) -> str:
+        """A human summary of the plan: peaks, cost, what is kept and recomputed."""
+        entry = self._entry(args, kwargs)
+        p, sg = entry.plan, entry.step_graph
+        lines = [
+            f"budget {p.budget_bytes / GIB:.3f} GiB (solver aimed at {(1 - self.headroom) * p.budget_bytes / GIB:.3f} GiB)",
+            f"fixed (variables, arguments, constants): {sg.fixed_bytes / GIB:.3f} GiB",
+            f"predicted peak without remat: {p.baseline_peak_bytes / GIB:.3f} GiB",
+            f"predicted peak with plan:     {p.predicted_peak_bytes / GIB:.3f} GiB",
+            f"extra compute: {100 * p.extra_cost_fraction:.1f} % ({p.solver}, {p.status})",
+            f"kept for backward: {len(p.kept)} tensors; recomputed: {len(p.recomputed)} ops",
+        ]
+        for v in p.recomputed:
+            g = sg.graph
+            lines.append(f"  recompute {v} ({g.nodes[v]['op_type']}, {g.nodes[v]['bytes'] / 2**20:.1f} MiB)")
+        return "\n".join(lines)
+
+    # -- internals -------------------------------------------------------------
+    def _tf_function(self):
+        if self._tf_fn is None:
+            from .trace import as_tf_function
+
+            self._tf_fn = as_tf_function(self._fn)
+        return self._tf_fn
+
+    def _key(self, args, kwargs):
+        from ._tf import import_tf
+
+        tf = import_tf()
+        import numpy as np
+
+        def leaf(x):
+            if isinstance(x, (tf.Tensor, tf.Variable, np.ndarray)):
+                return ("T", tuple(x.shape), str(x.dtype))
+            try:
+                hash(x)
+                return ("V", type(x).__name__, x)
+            except TypeError:
+                return ("O", id(x))
+
+        flat = tf.nest.flatten((args, kwargs), expand_composites=True)
+        return (repr(tf.nest.map_structure(lambda _: 0, (args, kwargs))), tuple(leaf(x) for x in flat))
+
+    def _entry(self, args, kwargs) -> _Entry:
+        key = self._key(args, kwargs)
+        entry = self._cache.get(key)
+        if entry is not None:
+            return entry
+        with self._lock:
+            entry = self._cache.get(key)
+            if entry is None:
+                entry = self._build(args, kwargs)
+                self._cache[key] = entry
+        return entry
+
+    def _build(self, args, kwargs) -> _Entry:
+        from .emit import emit
+        from .graph import build_graph
+        from .rewrite import rewrite_graph_def
+        from .trace import trace
+
+        traced = trace(self._tf_function(), args, kwargs)
+        sg = build_graph(traced.records, traced.arg_placeholders)
+        fixed = max(sg.fixed_bytes, _allocator_current_bytes())
+        target = int(self.budget_bytes * (1 - self.headroom))
+        problem = Problem(sg.graph, target, fixed)
+        try:
+            plan = solve(problem, self.solver)
+        except InfeasibleBudgetError as e:
+            need = math.ceil(e.min_feasible_bytes / (1 - self.headroom))
+            raise InfeasibleBudgetError(
+                self.budget_bytes,
+                need,
+                f"fixed memory {fixed / GIB:.3f} GiB; plans aim {100 * self.headroom:.0f} % "
+                "under the budget for kernel scratch space",
+            ) from None
+        plan = dataclasses.replace(plan, budget_bytes=self.budget_bytes)
+        new_gd, info = rewrite_graph_def(
+            traced.graph_def, plan.schedule, sg.graph, traced.dtypes, strict=self.strict
+        )
+        fn = emit(traced, new_gd)
+        return _Entry(traced=traced, step_graph=sg, plan=plan, fn=fn, rewrite_info=info)
+
+
+def _allocator_current_bytes() -> int:
+    """Bytes the TF allocator holds now (0 when the device does not report it)."""
+    from ._tf import import_tf
+
+    tf = import_tf()
+    try:
+        return int(tf.config.experimental.get_memory_info("CPU:0")["current"])
+    except (ValueError, RuntimeError, tf.errors.OpError):
+        return 0
+
+
+def remat(
+    fn: Callable | None = None,
+    *,
+    budget_gib: float,
+    solver: SolverLike = "auto",
+    headroom: float = DEFAULT_HEADROOM,
+    strict: bool = True,
+):
+    """Rewrite a TF2 train step so its measured peak memory fits ``budget_gib``.
+
+    Use as ``@tfremat.remat(budget_gib=1.5)`` above or below ``@tf.function``, or
+    call ``tfremat.remat(step, budget_gib=1.5)``. The budget bounds the allocator's
+    peak during one call of the step, everything included (variables, optimizer
+    slots, inputs, activations, gradients, temporaries).
+
+    Parameters
+    ----------
+    fn : callable, optional
+        A ``tf.function`` or a plain Python function (wrapped in ``tf.function``).
+    budget_gib : float
+        Peak memory budget in GiB (1 GiB = 2**30 bytes).
+    solver : str or callable
+        A name in ``tfremat.SOLVERS`` or a callable ``Problem -> Plan``.
+    headroom : float
+        Fraction of the budget left for kernel scratch space and allocator rounding.
+    strict : bool
+        Order the rewritten graph's ops as the plan's schedule (control edges), so
+        the measured peak matches the predicted one. Turn off to give the executor
+        freedom (parallel branches) at the price of a less predictable peak.
+
+    Returns
+    -------
+    RematFunction, or a decorator returning one when ``fn`` is None.
+
+    Raises
+    ------
+    TypeError, ValueError
+        For a bad ``budget_gib``, ``solver`` or ``headroom`` (at decoration time).
+    InfeasibleBudgetError
+        At the first call for an input signature whose step cannot fit.
+    """
+    budget_bytes = budget_to_bytes(budget_gib)
+    get_solver(solver)  # validate now, not at the first call
+    headroom = _validate_headroom(headroom)
+    if not isinstance(strict, bool):
+        raise TypeError(f"strict must be a bool, not {strict!r}")
+
+    def wrap(f: Callable) -> RematFunction:
+        if isinstance(f, RematFunction):
+            raise RematError("this function is already wrapped by tfremat.remat")
+        if not callable(f):
+            raise TypeError(f"tfremat.remat needs a callable, not {type(f).__name__}")
+        return RematFunction(f, budget_bytes, solver, headroom, strict)
+
+    return wrap if fn is None else wrap(fn)

@@ -1,0 +1,108 @@
+"""Bytes and compute-cost estimates for TensorFlow op types (no TensorFlow import).
+
+Costs are FLOP estimates for the ops that dominate a train step (matrix products and
+convolutions) and the number of output elements (memory traffic) for the rest, so a
+plan's ``extra_cost_fraction`` approximates the extra step time.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+# Output shares the buffer of input 0 (TensorFlow forwards the buffer, no allocation).
+ALIASING_OPS = frozenset(
+    {
+        "Identity",
+        "IdentityN",
+        "Reshape",
+        "Squeeze",
+        "ExpandDims",
+        "StopGradient",
+        "PreventGradient",
+        "EnsureShape",
+        "Bitcast",
+        "ReadVariableOp",  # shares the variable's buffer, counted in fixed bytes
+        "Snapshot",
+        "CheckNumerics",
+    }
+)
+
+# Never recomputed whatever their OpDef says: inputs, variables, control flow, calls.
+NEVER_RECOMPUTE = frozenset(
+    {
+        "Placeholder",
+        "PlaceholderWithDefault",
+        "Const",
+        "HostConst",
+        "VarHandleOp",
+        "ReadVariableOp",
+        "NoOp",
+        "While",
+        "StatelessWhile",
+        "If",
+        "StatelessIf",
+        "Case",
+        "StatelessCase",
+        "PartitionedCall",
+        "StatefulPartitionedCall",
+        "Enter",
+        "Exit",
+        "Merge",
+        "Switch",
+        "NextIteration",
+        "LoopCond",
+        "_Arg",
+        "_Retval",
+        "Assert",
+        "Print",
+        "PrintV2",
+    }
+)
+
+MATMUL_OPS = frozenset({"MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "_FusedMatMul"})
+CONV_OPS = frozenset({"Conv2D", "Conv3D", "DepthwiseConv2dNative", "_FusedConv2D", "Conv"})
+
+
+def num_elements(shape: Sequence[int]) -> int:
+    return int(math.prod(shape)) if shape else 1
+
+
+def op_cost(op_type: str, in_shapes: Sequence[Sequence[int] | None], out_shapes: Sequence[Sequence[int]]) -> float:
+    """Estimated cost of one run of an op, in FLOP-like units (always >= 1).
+
+    Matrix products: ``2 * out_elements * K``; convolutions: ``2 * out_elements *
+    (kernel elements / output channels)`` (depthwise: kernel spatial size); everything
+    else: number of output elements.
+    """
+    out = sum(num_elements(s) for s in out_shapes) if out_shapes else 1
+    try:
+        if op_type in MATMUL_OPS and in_shapes and in_shapes[0] is not None:
+            a = in_shapes[0]
+            b = in_shapes[1] if len(in_shapes) > 1 and in_shapes[1] is not None else None
+            # The contracted dim is the one of `a` not in the output; min() of a's last
+            # two dims is wrong for transposes, so take it from b when known.
+            k = min(a[-2:]) if len(a) >= 2 else 1
+            if b is not None and len(b) >= 2 and out_shapes:
+                n = out_shapes[0][-1]
+                k = b[-2] if b[-1] == n else b[-1]
+            return float(max(1, 2 * out * k))
+        if op_type in CONV_OPS and len(in_shapes) > 1 and in_shapes[1] is not None:
+            kernel = in_shapes[1]
+            if op_type == "DepthwiseConv2dNative":
+                per_out = num_elements(kernel[:-2])
+            else:
+                per_out = num_elements(kernel[:-1])
+            return float(max(1, 2 * out * per_out))
+        if op_type in ("Conv2DBackpropInput", "DepthwiseConv2dNativeBackpropInput") and len(in_shapes) > 2:
+            # Same FLOPs as the forward conv: 2 * dy elements * kernel elements per output channel.
+            kernel, dy = in_shapes[1], in_shapes[2]
+            if kernel is not None and dy is not None:
+                return float(max(1, 2 * num_elements(dy) * num_elements(kernel[:-1])))
+        if op_type in ("Conv2DBackpropFilter", "DepthwiseConv2dNativeBackpropFilter") and len(in_shapes) > 2:
+            kernel, dy = out_shapes[0], in_shapes[2]
+            if dy is not None:
+                return float(max(1, 2 * num_elements(dy) * num_elements(kernel[:-1])))
+    except (IndexError, TypeError):
+        pass
+    return float(max(1, out))

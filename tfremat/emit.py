@@ -1,0 +1,55 @@
+"""Rewritten GraphDef -> a callable tf.function bound to the step's own variables.
+
+Public APIs only: the new function's body imports the GraphDef with
+``tf.graph_util.import_graph_def``, mapping each argument placeholder to the new
+function's argument and each captured placeholder (variable handles, captured
+tensors) to a capture of the *same* external handle, so the rewritten step reads and
+updates the user's variables. Automatic control dependencies inside ``tf.function``
+keep every imported stateful op (assigns, optimizer updates) in the function's
+control outputs, as in the original.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from ._tf import import_tf
+from .trace import TracedStep
+
+
+def emit(traced: TracedStep, graph_def, name: str = "remat") -> Any:
+    """Return a ``tf.function`` taking the step's flat tensor arguments.
+
+    The returned function returns the step's outputs with their original structure.
+    """
+    tf = import_tf()
+    specs = list(traced.arg_specs)
+    arg_names = list(traced.arg_placeholders)
+    captures = list(traced.captures)
+    outputs = list(traced.output_names)
+    structure = traced.structured_outputs
+
+    # The placeholders that get fed are dropped from the imported graph: the mapped
+    # tensors replace every use, and an unfed Placeholder inside a function fails.
+    fed = set(arg_names) | {n for _, n in captures}
+    gd = type(graph_def)()
+    gd.CopyFrom(graph_def)
+    kept_nodes = [n for n in gd.node if n.name not in fed]
+    del gd.node[:]
+    gd.node.extend(kept_nodes)
+
+    def body(*args):
+        g = tf.compat.v1.get_default_graph()
+        input_map = {f"{ph}:0": a for ph, a in zip(arg_names, args)}
+        for handle, ph in captures:
+            input_map[f"{ph}:0"] = g.capture(handle)
+        flat = tf.graph_util.import_graph_def(
+            gd, input_map=input_map, return_elements=outputs, name=name
+        )
+        return tf.nest.pack_sequence_as(structure, list(flat), expand_composites=True)
+
+    return tf.function(body, input_signature=specs, autograph=False, reduce_retracing=False)
+
+
+def call_flat(fn, flat_args: Sequence[Any]):
+    return fn(*flat_args)

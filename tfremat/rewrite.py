@@ -1,0 +1,179 @@
+"""GraphDef + schedule -> rewritten GraphDef (copies, rewired inputs, ordering edges).
+
+Works on the GraphDef protobuf only (no TensorFlow import). For each position of the
+schedule, the first occurrence of an op is the original node and any later one is a
+copy named ``<op>/_remat<k>``; every data input binds to the most recent computation
+of its producer, exactly as the simulator binds it.
+
+Ordering (measured, see docs/design.md): a copy that may run as soon as its inputs
+exist runs during the forward pass and saves nothing, and Grappler merges copies that
+equal their original back into it. So every data input a copy takes from an original
+tensor goes through a *gate*: ``Identity(tensor)`` with control inputs on the
+backward ops that must run first. The gate (not the copy) carries the control input
+so Grappler's remapper still fuses MatMul+BiasAdd+Relu in the copy, and the distinct
+control input keeps common-subgraph elimination from merging the copy back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Hashable, Mapping, Sequence
+
+import networkx as nx
+
+from .errors import RematError
+
+COPY_SEP = "/_remat"
+
+
+@dataclasses.dataclass(frozen=True)
+class RewriteInfo:
+    copies: int
+    gates: int
+    rewired_inputs: int
+
+
+def _split(tensor: str) -> tuple[str, str]:
+    if ":" in tensor:
+        op, idx = tensor.rsplit(":", 1)
+        return op, ":" + idx
+    return tensor, ""
+
+
+def rewrite_graph_def(
+    graph_def,
+    schedule: Sequence[Hashable],
+    graph: nx.DiGraph,
+    dtypes: Mapping[str, Sequence[int]],
+    strict: bool = True,
+):
+    """Return ``(new_graph_def, RewriteInfo)`` realizing ``schedule`` on ``graph_def``.
+
+    Parameters
+    ----------
+    graph_def : tensorflow GraphDef
+        The traced step's graph (left unmodified; a copy is returned).
+    schedule : sequence of op names
+        A schedule the simulator accepted for ``graph`` (repeats are recomputations).
+    graph : networkx.DiGraph
+        The planning graph (for phases when choosing the ordering edges).
+    dtypes : mapping
+        Op name -> the DataType enum of each of its outputs (for the gates).
+    strict : bool
+        Also chain every original op (inputs and constants aside) to the one the
+        schedule runs before it with a control edge, so the executor follows the
+        schedule and the measured peak matches the simulated one. Measured on an
+        8-layer MLP with Adam (2 cores): without it the allocator peak varied by
+        +-40 MiB run to run around the prediction; with it, it was identical on
+        every call and within 4 MiB of the prediction, at the same step time.
+
+    Raises
+    ------
+    RematError
+        If the schedule names an op absent from the GraphDef.
+    """
+    new = type(graph_def)()
+    new.CopyFrom(graph_def)
+    nodes = {n.name: n for n in new.node}
+    originals = {n.name: n for n in graph_def.node}
+    missing = [v for v in schedule if v not in originals]
+    if missing:
+        raise RematError(f"schedule names ops not in the graph: {missing[:3]}")
+    taken = set(nodes)
+
+    count: dict = {}
+    latest: dict = {}
+    pos_of_original: dict = {}
+    is_copy = []
+    for v in schedule:
+        k = count.get(v, 0)
+        count[v] = k + 1
+        is_copy.append(k > 0)
+    count.clear()
+
+    def phase(v):
+        return graph.nodes[v].get("phase", "forward") if v in graph else "input"
+
+    def next_consumer_triggers(j: int) -> list[str]:
+        """Control inputs for a chain of copies starting at schedule position j."""
+        n = len(schedule)
+        end = j
+        while end < n and is_copy[end]:
+            end += 1
+        triggers = []
+        # The backward op that needs the chain: wait for its latest-computed input.
+        if end < n:
+            consumer = schedule[end]
+            best, best_pos = None, -1
+            for u in graph.predecessors(consumer):
+                p = pos_of_original.get(u)
+                if p is not None and phase(u) in ("backward", "update") and p > best_pos:
+                    best, best_pos = u, p
+            if best is not None:
+                triggers.append(best)
+        # And for the op the schedule ran just before the chain (a barrier).
+        for i in range(j - 1, -1, -1):
+            u = schedule[i]
+            if not is_copy[i] and phase(u) not in ("input",):
+                if u not in triggers:
+                    triggers.append(u)
+                break
+        return triggers
+
+    gates: dict = {}
+    n_copies = n_rewired = 0
+    chain_triggers: list[str] = []
+    prev_serial = None
+    for j, v in enumerate(schedule):
+        k = count.get(v, 0)
+        count[v] = k + 1
+        src = originals[v]
+        if k == 0:
+            node = nodes[v]
+            pos_of_original[v] = j
+        else:
+            if not is_copy[j - 1] if j else True:
+                chain_triggers = next_consumer_triggers(j)
+            node = new.node.add()
+            node.CopyFrom(src)
+            name = f"{v}{COPY_SEP}{k}"
+            while name in taken:
+                name += "_"
+            taken.add(name)
+            node.name = name
+            n_copies += 1
+        del node.input[:]
+        for inp in src.input:
+            if inp.startswith("^"):
+                node.input.append(inp)
+                continue
+            op, idx = _split(inp)
+            bound = latest.get(op, op)
+            if k > 0 and bound == op and chain_triggers:
+                key = (inp, tuple(chain_triggers))
+                gate = gates.get(key)
+                if gate is None:
+                    gate = f"{op}{COPY_SEP}_gate{len(gates)}"
+                    while gate in taken:
+                        gate += "_"
+                    taken.add(gate)
+                    g = new.node.add()
+                    g.name = gate
+                    g.op = "Identity"
+                    g.input.append(inp)
+                    g.input.extend("^" + t for t in chain_triggers)
+                    g.attr["T"].type = dtypes[op][int(idx[1:]) if idx else 0]
+                    if src.device:
+                        g.device = src.device
+                    gates[key] = gate
+                node.input.append(gate)
+                continue
+            if bound != op:
+                n_rewired += 1
+            node.input.append(bound + idx)
+        latest[v] = node.name
+        if strict and k == 0 and phase(v) != "input":
+            if prev_serial is not None:
+                node.input.append("^" + prev_serial)
+            prev_serial = node.name
+    return new, RewriteInfo(copies=n_copies, gates=len(gates), rewired_inputs=n_rewired)
