@@ -8,11 +8,15 @@ Phases are found by structure and memory, never by op names:
 * ``input``: placeholders (arguments, captured variable handles) and constants;
 * ``update``: ops that write a variable (assign, ``ResourceApply*``, ...) and every
   op downstream of one;
-* ``forward`` / ``backward``: the remaining ops split at the peak of the
-  un-rematerialized schedule in program order. Values computed before that point and
-  consumed after it are exactly what rematerialization can free, which is the only
-  use tfremat makes of the split. A misplaced op can cost savings, never
-  correctness: recomputing a stateless op yields the same value wherever it sits.
+* ``forward``: the loss and everything it is computed from. The loss is found by
+  reachability, not by name: among the scalar floating-point ops whose value feeds no
+  variable write (a gradient never needs the loss value itself, only what it was
+  computed from), the one with the most ancestors;
+* ``backward``: every other op (the gradient computation, metrics).
+
+When no op qualifies as the loss, the split falls back to the peak of the
+un-rematerialized schedule in program order. A misplaced op can cost savings, never
+correctness: recomputing a stateless op yields the same value wherever it sits.
 """
 
 from __future__ import annotations
@@ -24,6 +28,9 @@ import networkx as nx
 
 from .costs import ALIASING_OPS, NEVER_RECOMPUTE, op_cost
 from .simulate import simulate
+
+# Ops that read only their input's shape.
+SHAPE_ONLY_OPS = frozenset({"Shape", "ShapeN", "Size", "Rank"})
 
 WRITE_PREFIXES = ("Assign", "ResourceApply", "ResourceSparseApply", "ResourceScatter", "ResourceStridedSliceAssign")
 
@@ -59,6 +66,27 @@ def producer(tensor_name: str) -> str:
 
 def is_variable_write(op_type: str) -> bool:
     return op_type.startswith(WRITE_PREFIXES)
+
+
+def find_loss(g: nx.DiGraph, by_name: dict, update: set) -> str | None:
+    """The op computing the loss, found by structure (see the module docstring)."""
+    feeds_writes: set = set()
+    data = nx.subgraph_view(g, filter_edge=lambda u, v: g.edges[u, v].get("kind") == "data")
+    for v in g.nodes:
+        if is_variable_write(g.nodes[v]["op_type"]):
+            feeds_writes |= nx.ancestors(data, v)
+    best, best_n = None, 0
+    for v, rec in by_name.items():
+        if v in update or v in feeds_writes or g.nodes[v]["phase"] != "forward":
+            continue
+        if len(rec.outputs) != 1 or rec.outputs[0].shape != () or not rec.outputs[0].dtype.startswith(
+            ("float", "half", "bfloat")
+        ):
+            continue
+        n = len(nx.ancestors(g, v))
+        if n > best_n:
+            best, best_n = v, n
+    return best
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,9 +157,14 @@ def build_graph(records: Sequence[OpRecord], argument_ops: Iterable[str] = ()) -
 
     for r in records:
         for t in r.inputs:
-            g.add_edge(producer(t), r.name)
+            if r.op_type in SHAPE_ONLY_OPS:
+                # Shapes are static (trace.py refuses unknown ones), so Grappler folds
+                # these into constants: they neither need nor keep their input.
+                continue
+            g.add_edge(producer(t), r.name, kind="data")
         for c in r.control_inputs:
-            g.add_edge(c, r.name)
+            if not g.has_edge(c, r.name):
+                g.add_edge(c, r.name, kind="control")
         if is_variable_write(r.op_type) and len(r.inputs) > 1 and r.op_type.startswith("Assign"):
             h = producer(r.inputs[0])
             src = by_name.get(producer(r.inputs[1]))
@@ -158,8 +191,8 @@ def build_graph(records: Sequence[OpRecord], argument_ops: Iterable[str] = ()) -
             if root == r.name:
                 continue
             for c in list(g.successors(r.name)):
-                if c != root:
-                    g.add_edge(root, c, liveness=True)
+                if c != root and not g.has_edge(root, c):
+                    g.add_edge(root, c, kind="liveness")
 
     # Program order, except where control edges added after creation (automatic
     # control dependencies) demand otherwise.
@@ -184,11 +217,18 @@ def build_graph(records: Sequence[OpRecord], argument_ops: Iterable[str] = ()) -
             update |= nx.descendants(g, r.name)
     for v in update:
         g.nodes[v]["phase"] = "update"
-    sim = simulate(g, order)
-    cut = sim.peak_position
-    for i, v in enumerate(order):
-        if g.nodes[v]["phase"] == "forward" and i > cut:
-            g.nodes[v]["phase"] = "backward"
+    loss = find_loss(g, by_name, update)
+    if loss is not None:
+        forward = nx.ancestors(g, loss) | {loss}
+        for v in g.nodes:
+            if g.nodes[v]["phase"] == "forward" and v not in forward:
+                g.nodes[v]["phase"] = "backward"
+    else:
+        cut = simulate(g, order).peak_position
+        for i, v in enumerate(order):
+            if g.nodes[v]["phase"] == "forward" and i > cut:
+                g.nodes[v]["phase"] = "backward"
+    g.graph["loss"] = loss
     for v in g.nodes:
         if g.nodes[v]["phase"] != "forward":
             g.nodes[v]["recomputable"] = False

@@ -52,7 +52,8 @@ class Plan:
     ``schedule`` lists node ids in execution order; a repeated id is a recomputation
     and every consumer binds to the most recent computation of each input.
     ``kept`` lists the forward values held for a later phase without recomputation
-    (see :func:`kept_values`).
+    (see :func:`kept_values`); ``fixed_bytes`` is the problem's fixed memory, included
+    in every peak.
     """
 
     schedule: tuple[Node, ...]
@@ -66,6 +67,7 @@ class Plan:
     cost_lower_bound: float | None = None
     solve_s: float = 0.0
     kept: tuple[Node, ...] = ()
+    fixed_bytes: int = 0
 
     @property
     def recomputed(self) -> tuple[Node, ...]:

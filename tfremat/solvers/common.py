@@ -31,4 +31,5 @@ def make_plan(
         cost_lower_bound=cost_lower_bound,
         solve_s=solve_s,
         kept=kept_values(problem.graph, schedule),
+        fixed_bytes=int(problem.fixed_bytes),
     )

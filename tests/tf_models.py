@@ -1,0 +1,57 @@
+"""Small train steps shared by the TensorFlow tests (built fresh, seeded, per call)."""
+
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+
+
+def mlp(layers: int = 12, width: int = 256):
+    inp = keras.Input((width,))
+    h = inp
+    for _ in range(layers):
+        h = keras.layers.Dense(width, activation="relu")(h)
+    return keras.Model(inp, keras.layers.Dense(10)(h))
+
+
+def residual_cnn(channels: int = 16, blocks: int = 3, size: int = 32):
+    inp = keras.Input((size, size, 3))
+    h = keras.layers.Conv2D(channels, 3, padding="same", activation="relu")(inp)
+    for _ in range(blocks):
+        r = keras.layers.Conv2D(channels, 3, padding="same", activation="relu")(h)
+        r = keras.layers.Conv2D(channels, 3, padding="same")(r)
+        h = keras.layers.Activation("relu")(keras.layers.Add()([h, r]))
+    h = keras.layers.GlobalAveragePooling2D()(h)
+    return keras.Model(inp, keras.layers.Dense(10)(h))
+
+
+def make_step(kind: str = "mlp", optimizer: str = "sgd", seed: int = 0, **kw):
+    """Return ``(model, step)``: a fresh model and its plain ``tf.function`` train step."""
+    keras.utils.set_random_seed(seed)
+    model = mlp(**kw) if kind == "mlp" else residual_cnn(**kw)
+    opt = keras.optimizers.SGD(0.01) if optimizer == "sgd" else keras.optimizers.Adam(1e-3)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    return model, step
+
+
+def make_data(kind: str = "mlp", batch: int = 512, width: int = 256, size: int = 32, seed: int = 1):
+    shape = (batch, width) if kind == "mlp" else (batch, size, size, 3)
+    x = tf.random.stateless_normal(shape, seed=(seed, 0))
+    y = tf.random.stateless_uniform((batch,), seed=(seed, 1), minval=0, maxval=10, dtype=tf.int32)
+    return x, y
+
+
+def measure_peak(fn, *args):
+    """Call ``fn`` once; return (result, allocator peak bytes during the call)."""
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    out = fn(*args)
+    return out, tf.config.experimental.get_memory_info("CPU:0")["peak"]
