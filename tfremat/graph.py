@@ -9,9 +9,10 @@ Phases are found by structure and memory, never by op names:
 * ``update``: ops that write a variable (assign, ``ResourceApply*``, ...) and every
   op downstream of one;
 * ``forward``: the loss and everything it is computed from. The loss is found by
-  reachability, not by name: among the scalar floating-point ops whose value feeds no
-  variable write (a gradient never needs the loss value itself, only what it was
-  computed from), the one with the most ancestors;
+  reachability, not by name: among the scalar floating-point ops whose value is used
+  only by scalar ops or variable writes (a gradient never needs the loss value
+  itself, only what it was computed from; Keras feeds it to a metric), the one with
+  the most ancestors;
 * ``backward``: every other op (the gradient computation, metrics).
 
 When no op qualifies as the loss, the split falls back to the peak of the
@@ -22,6 +23,7 @@ correctness: recomputing a stateless op yields the same value wherever it sits.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Iterable, Sequence
 
 import networkx as nx
@@ -69,19 +71,41 @@ def is_variable_write(op_type: str) -> bool:
 
 
 def find_loss(g: nx.DiGraph, by_name: dict, update: set) -> str | None:
-    """The op computing the loss, found by structure (see the module docstring)."""
-    feeds_writes: set = set()
-    data = nx.subgraph_view(g, filter_edge=lambda u, v: g.edges[u, v].get("kind") == "data")
-    for v in g.nodes:
-        if is_variable_write(g.nodes[v]["op_type"]):
-            feeds_writes |= nx.ancestors(data, v)
+    """The op computing the loss, found by structure (see the module docstring).
+
+    A candidate is a scalar floating-point op outside the update phase whose value is
+    used, and only by scalar ops outside the update phase (the gradient never
+    consumes the loss value: the tape seeds it with ones). Its value may feed variable
+    writes: Keras feeds the loss to its loss-tracker metric. A gradient-pass scalar
+    either feeds non-scalar gradient math or nothing at all (an unused gradient).
+    """
+
+    def data_succ(v):
+        return [s for s in g.successors(v) if g.edges[v, s].get("kind") == "data"]
+
+    def feeds_only_scalars(v) -> bool:
+        stack, seen = data_succ(v), set()
+        if not stack:
+            return False
+        while stack:
+            s = stack.pop()
+            if s in seen or s in update:
+                continue
+            seen.add(s)
+            if any(math.prod(t.shape) > 1 for t in by_name[s].outputs):
+                return False
+            stack.extend(data_succ(s))
+        return True
+
     best, best_n = None, 0
     for v, rec in by_name.items():
-        if v in update or v in feeds_writes or g.nodes[v]["phase"] != "forward":
+        if v in update or g.nodes[v]["phase"] != "forward":
             continue
         if len(rec.outputs) != 1 or rec.outputs[0].shape != () or not rec.outputs[0].dtype.startswith(
             ("float", "half", "bfloat")
         ):
+            continue
+        if not feeds_only_scalars(v):
             continue
         n = len(nx.ancestors(g, v))
         if n > best_n:
