@@ -28,6 +28,20 @@ ALIASING_OPS = frozenset(
     }
 )
 
+# Elementwise kernels that write their output into an input's buffer when that input
+# has no other consumer (TensorFlow's forward_input_or_allocate_output).
+INPLACE_OPS = frozenset(
+    {
+        "Relu", "Relu6", "Elu", "Selu", "LeakyRelu", "Tanh", "Sigmoid", "Softplus",
+        "Softsign", "Gelu", "BiasAdd", "Add", "AddV2", "Sub", "Mul", "RealDiv", "Div",
+        "DivNoNan", "Maximum", "Minimum", "Neg", "Abs", "Square", "Sqrt", "Rsqrt", "Exp",
+        "Log", "Log1p", "Erf", "Cos", "Sin", "Pow", "SquaredDifference", "AddN",
+        "ReluGrad", "Relu6Grad", "EluGrad", "SeluGrad", "LeakyReluGrad", "TanhGrad",
+        "SigmoidGrad", "SoftplusGrad", "RsqrtGrad", "SqrtGrad", "Reciprocal", "Floor",
+        "Round", "Sign",
+    }
+)
+
 # Never recomputed whatever their OpDef says: inputs, variables, control flow, calls.
 NEVER_RECOMPUTE = frozenset(
     {

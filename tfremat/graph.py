@@ -28,7 +28,7 @@ from typing import Iterable, Sequence
 
 import networkx as nx
 
-from .costs import ALIASING_OPS, NEVER_RECOMPUTE, op_cost
+from .costs import ALIASING_OPS, INPLACE_OPS, NEVER_RECOMPUTE, op_cost
 from .simulate import simulate
 
 # Ops that read only their input's shape.
@@ -173,6 +173,7 @@ def build_graph(records: Sequence[OpRecord], argument_ops: Iterable[str] = ()) -
             recomputable=recomputable,
             phase="forward",
             alias=alias,
+            inplace=r.op_type in INPLACE_OPS,
         )
         # Variable sizes: what reads return and what assigns write, per handle.
         if r.op_type == "ReadVariableOp" and r.outputs and r.inputs:
