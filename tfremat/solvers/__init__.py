@@ -14,15 +14,20 @@ from typing import Callable, Mapping, Union
 from ..errors import InfeasibleBudgetError, InvalidScheduleError, RematError
 from ..plan import Plan, Problem, Solver
 from ..simulate import simulate
+from .auto import auto_solver
+from .baselines import BASELINES
 from .common import make_plan
+from .evict import evict_solver
 from .segments import segments_solver
 
 __all__ = ["SOLVERS", "get_solver", "solve", "make_plan"]
 
 SOLVERS: Mapping[str, Solver] = types.MappingProxyType(
     {
-        "auto": segments_solver,
+        "auto": auto_solver,
+        **BASELINES,
         "segments": segments_solver,
+        "evict": evict_solver,
     }
 )
 

@@ -1,0 +1,99 @@
+"""The default solver: a measured portfolio of fast planners, best plan wins.
+
+Every member produces schedules whose first occurrences follow the reference order
+(recomputations inserted before the op that needs them), which is what the
+TensorFlow rewriter emits, and every candidate is scored by the simulator on the real
+graph. Members, cheapest first:
+
+1. Chen et al.'s greedy, swept, over articulation points and over every forward
+   value (so ``auto`` is never worse than either baseline on the same problem).
+2. Segment checkpointing with greedy refinement (:mod:`.segments`).
+3. Offline eviction planning (:mod:`.evict`): recompute-on-demand with a
+   future-aware eviction rule, pruned by the best cost found so far. It needs no
+   forward/backward phases, so it also plans graphs the checkpointing members
+   cannot (e.g. random layered graphs).
+
+See ``docs/solvers.md`` for the measurements behind this choice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from ..errors import InfeasibleBudgetError
+from ..plan import Plan, Problem
+from ..simulate import reference_simulation, single_op_lower_bound
+from .baselines import articulation_candidates, greedy_sweep, linear_candidates
+from .common import make_plan
+from .evict import EvictionPlanner, evict_plan, min_feasible_budget
+from .segments import segments_solver
+
+__all__ = ["auto_solver"]
+
+DEFAULT_TIME_LIMIT_S = 10.0
+
+
+def auto_solver(problem: Problem) -> Plan:
+    """Cheapest plan of the portfolio (Chen greedy sweeps, segments, eviction planning).
+
+    Parameters
+    ----------
+    problem : Problem
+        ``time_limit_s`` bounds the whole portfolio (default 10 s); members that run
+        out of time return the best they have.
+
+    Returns
+    -------
+    Plan
+        Status ``"optimal"`` when the reference order fits (nothing to recompute),
+        else ``"heuristic"``; ``cost_lower_bound`` is the every-node-once cost.
+
+    Raises
+    ------
+    InfeasibleBudgetError
+        When no member fits; ``min_feasible_bytes`` is the smallest budget the
+        portfolio meets (a simulated peak), never below the single-op lower bound.
+    """
+    t0 = time.perf_counter()
+    limit = problem.time_limit_s or DEFAULT_TIME_LIMIT_S
+    deadline = t0 + limit
+    g, fixed, budget = problem.graph, problem.fixed_bytes, problem.budget_bytes
+    ref = reference_simulation(g, fixed)
+    if ref.peak_bytes <= budget:
+        return make_plan(problem, problem.order, "auto", "optimal", cost_lower_bound=ref.cost,
+                         solve_s=time.perf_counter() - t0)
+
+    best: tuple[float, list] | None = None
+    lowest = ref.peak_bytes
+
+    def offer(plan: Plan | None) -> None:
+        nonlocal best
+        if plan is not None and plan.predicted_peak_bytes <= budget:
+            if best is None or plan.cost < best[0]:
+                best = (plan.cost, list(plan.schedule))
+
+    for cands in (articulation_candidates(g), linear_candidates(g)):
+        plan, low = greedy_sweep(problem, cands, "auto")
+        lowest = min(lowest, low)
+        offer(plan)
+    try:
+        offer(segments_solver(dataclasses.replace(problem, time_limit_s=max(0.1, limit / 3))))
+    except InfeasibleBudgetError as e:
+        lowest = min(lowest, e.min_feasible_bytes)
+    planner = EvictionPlanner(g, problem.order)
+    best, low = evict_plan(problem, deadline=deadline, planner=planner, best=best)
+    if low is not None:
+        lowest = min(lowest, low)
+    if best is None:
+        mf, sched = min_feasible_budget(problem, planner, deadline=time.perf_counter() + limit)
+        if mf is not None and mf <= budget:  # the bisection found a plan after all
+            return make_plan(problem, sched, "auto", "heuristic", cost_lower_bound=ref.cost,
+                             solve_s=time.perf_counter() - t0)
+        if mf is not None:
+            lowest = min(lowest, mf)
+        raise InfeasibleBudgetError(
+            budget, max(lowest, single_op_lower_bound(g, fixed)), "auto portfolio"
+        )
+    return make_plan(problem, best[1], "auto", "heuristic", cost_lower_bound=ref.cost,
+                     solve_s=time.perf_counter() - t0)

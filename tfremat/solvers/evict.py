@@ -1,0 +1,361 @@
+"""Offline eviction planning: run the reference order, evict values when over budget.
+
+The schedule is the reference order with recomputations inserted (so first
+occurrences keep the reference order, which the TensorFlow rewriter relies on). Ops
+run one by one; before an op runs, each input that was evicted is recomputed, with
+the evicted values it depends on, just in time. Whenever the live bytes would exceed
+the working budget, resident recomputable values are evicted, cheapest first under a
+scoring rule that knows the future (the distance to each value's next use, as in
+Belady's paging rule, weighed by recompute cost and bytes; compare Kirisame et al.'s
+DTR, which scores online with staleness instead of distance).
+
+The planner's own memory count is conservative: evicting a value at step ``t`` frees
+it in the simulator from its last use before ``t``, not from ``t``. So the simulated
+peak is often below the working budget, and :func:`evict_solver` searches the working
+budget upwards (bisection) for the largest one whose simulated peak still fits, which
+buys back most of that slack as fewer recomputations.
+
+Values that are not recomputable are never evicted; they stay resident until the last
+use of any recomputable value that might need them for a recomputation.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from typing import Hashable, Sequence
+
+import networkx as nx
+import numpy as np
+import scipy.sparse as sp
+
+from ..errors import InfeasibleBudgetError
+from ..plan import Plan, Problem
+from ..simulate import reference_simulation, simulate, single_op_lower_bound
+from .common import make_plan
+
+__all__ = ["EvictionPlanner", "evict_solver", "SCORES"]
+
+Node = Hashable
+
+#: Eviction rules: the value with the lowest key goes first. ``c`` recompute cost,
+#: ``s`` bytes, ``d`` steps until the next use (inf when only a recomputation can
+#: need the value again).
+SCORES = ("cost_bytes_dist", "belady", "cost_bytes", "cost_bytes_dist2")
+
+
+class EvictionPlanner:
+    """Precomputed arrays for repeated eviction runs on one graph.
+
+    Parameters
+    ----------
+    graph : networkx.DiGraph
+        Node attributes ``bytes``, ``cost``, ``recomputable``.
+    order : sequence
+        Reference topological order.
+    """
+
+    def __init__(self, graph: nx.DiGraph, order: Sequence[Node]):
+        self.graph = graph
+        self.order = list(order)
+        n = len(self.order)
+        self.n = n
+        idx = {v: i for i, v in enumerate(self.order)}
+        nodes = graph.nodes
+        self.size = np.array([int(nodes[v]["bytes"]) for v in self.order], dtype=np.int64)
+        self.cost = np.array([float(nodes[v]["cost"]) for v in self.order], dtype=np.float64)
+        self.recomp = np.array(
+            [bool(nodes[v].get("recomputable", True)) for v in self.order], dtype=bool
+        )
+        self.preds = [sorted(idx[u] for u in graph.predecessors(v)) for v in self.order]
+        self.cons = [sorted(idx[w] for w in graph.successors(v)) for v in self.order]
+        # need_until[i]: last step at which i can be read, by its own consumers or by
+        # the recomputation of a recomputable descendant (reverse topological DP).
+        need = np.array([c[-1] if c else i for i, c in enumerate(self.cons)], dtype=np.int64)
+        for i in range(n - 1, -1, -1):
+            for w in self.cons[i]:
+                if self.recomp[w] and need[w] > need[i]:
+                    need[i] = need[w]
+        self.need_until = need
+        # Small cost floor so that zero-cost values still compare by bytes and distance.
+        rows = np.repeat(np.arange(n), [len(p) for p in self.preds])
+        cols = np.fromiter((q for p in self.preds for q in p), dtype=np.int64, count=rows.size)
+        # pred_matrix[x, p] = 1 when p is an input of x: one sparse product gives every
+        # value's inputs' summed cost of some kind.
+        self.pred_matrix = sp.csr_matrix(
+            (np.ones(rows.size), (rows, cols)), shape=(n, n)
+        )
+        pos = self.cost[self.cost > 0]
+        self.eps = float(pos.min()) * 1e-3 if pos.size else 1.0
+
+    def run(self, cap: int, score: str = "cost_bytes_dist", max_cost: float = np.inf,
+            max_len: int | None = None) -> list[int] | None:
+        """Schedule (as reference positions) keeping tracked live bytes <= ``cap``.
+
+        Returns None when some op cannot fit, or when the schedule's cost would exceed
+        ``max_cost`` or its length ``max_len`` (pruning runs that thrash).
+        """
+        if max_len is None:
+            max_len = 4 * self.n + 100
+        n, size, cost, recomp, preds, cons = (
+            self.n, self.size, self.cost, self.recomp, self.preds, self.cons,
+        )
+        need_until = self.need_until
+        resident = np.zeros(n, dtype=bool)
+        prot = np.zeros(n, dtype=np.int32)
+        next_use = np.full(n, np.inf)
+        ptr = [0] * n
+        release: dict[int, list[int]] = {}
+        for i in range(n):
+            if not recomp[i]:
+                release.setdefault(int(need_until[i]), []).append(i)
+        evictable = recomp.copy()
+        sched: list[int] = []
+        mem = 0
+        t = 0
+        eps = self.eps
+        pmat = self.pred_matrix
+        spent = 0.0
+
+        def make_room(need: int) -> bool:
+            nonlocal mem
+            if mem + need <= cap:
+                return True
+            cand = np.flatnonzero(resident & evictable & (prot == 0))
+            if cand.size == 0:
+                return False
+            s = size[cand].astype(np.float64)
+            # Recompute cost counts the inputs that are gone too (one level of DTR's
+            # evicted neighbourhood): evicting a value whose inputs were evicted
+            # starts a cascade of recomputations.
+            gone = np.where(resident | ~recomp, 0.0, cost + eps)
+            c = cost[cand] + eps + (pmat[cand] @ gone)
+            d = np.maximum(next_use[cand] - t, 0.5)  # used by this very step: keep
+            with np.errstate(divide="ignore", invalid="ignore"):
+                if score == "belady":
+                    key = -d * (1.0 + 1e-9 * s)
+                elif score == "cost_bytes":
+                    key = c / s - 1e-12 * d
+                elif score == "cost_bytes_dist2":
+                    key = c / (s * d * d)
+                else:
+                    key = c / (s * d)
+                key = np.where(s > 0, key, np.inf)
+            for j in cand[np.argsort(key, kind="stable")]:
+                if size[j] <= 0:  # zero-size values free nothing
+                    continue
+                resident[j] = False
+                mem -= int(size[j])
+                if mem + need <= cap:
+                    return True
+            return False
+
+        def maybe_free(i: int) -> None:
+            nonlocal mem
+            if resident[i] and prot[i] == 0 and next_use[i] == np.inf and (
+                recomp[i] or need_until[i] <= t
+            ):
+                resident[i] = False
+                mem -= int(size[i])
+
+        def compute(root: int) -> bool:
+            # Depth-first: before x runs, bring each input in (recomputing it, and
+            # the inputs it lacks, first) and pin it. Missing inputs come first, so
+            # that values already resident may still be evicted to make room for
+            # those recomputations, and brought back afterwards if they were.
+            nonlocal mem, spent
+            frames = [[root, inputs_first_missing(root), 0]]
+            while frames:
+                f = frames[-1]
+                x, ps, i = f
+                if i < len(ps):
+                    p = ps[i]
+                    if resident[p]:
+                        prot[p] += 1
+                        f[2] = i + 1
+                    elif not recomp[p]:  # cannot happen: pinned until need_until
+                        return False
+                    else:
+                        frames.append([p, inputs_first_missing(p), 0])
+                    continue
+                frames.pop()
+                if not make_room(int(size[x])):
+                    return False
+                spent += cost[x]
+                if spent > max_cost or len(sched) > max_len:
+                    return False
+                sched.append(x)
+                resident[x] = True
+                mem += int(size[x])
+                touched.append(x)
+                for p in ps:
+                    prot[p] -= 1
+                    # Not freed yet even if dead: another branch of this same
+                    # recomputation may read it (freeing here recomputes shared
+                    # ancestors once per path, exponential on dense DAGs). Dead
+                    # values are the first evicted and are swept after the step.
+                    touched.append(p)
+                if frames:
+                    parent = frames[-1]
+                    prot[x] += 1
+                    parent[2] += 1
+            return True
+
+        def inputs_first_missing(x: int) -> list[int]:
+            ps = preds[x]
+            return [p for p in ps if not resident[p]] + [p for p in ps if resident[p]]
+
+        touched: list[int] = []
+        for t in range(n):
+            touched.clear()
+            if not compute(t):
+                return None
+            ins = preds[t]
+            for u in ins:
+                c = cons[u]
+                k = ptr[u]
+                while k < len(c) and c[k] <= t:
+                    k += 1
+                ptr[u] = k
+                next_use[u] = c[k] if k < len(c) else np.inf
+            next_use[t] = cons[t][0] if cons[t] else np.inf
+            for u in touched:
+                maybe_free(u)
+            for u in release.get(t, ()):
+                maybe_free(u)
+        return sched
+
+    def nodes(self, positions: list[int]) -> list[Node]:
+        order = self.order
+        return [order[i] for i in positions]
+
+
+def _search(problem: Problem, planner: EvictionPlanner, score: str, deadline: float,
+            best=None, steps: int = 10):
+    """Improve ``best`` = (cost, schedule) over working budgets from the budget upwards.
+
+    Returns the new best (or None) and the lowest simulated peak seen (or None).
+    """
+    g, fixed, budget = problem.graph, problem.fixed_bytes, problem.budget_bytes
+    lo = budget - fixed  # a working cap this low never overshoots in simulation
+    hi = int(planner.size.sum()) + 1
+    lowest = None
+
+    def attempt(cap):
+        nonlocal best, lowest
+        pos = planner.run(cap, score, max_cost=best[0] if best else np.inf)
+        if pos is None:  # cannot fit at this cap, or pruned as dearer than the best
+            return None
+        sched = planner.nodes(pos)
+        sim = simulate(g, sched, fixed)
+        lowest = sim.peak_bytes if lowest is None else min(lowest, sim.peak_bytes)
+        if sim.peak_bytes <= budget and (best is None or sim.cost < best[0]):
+            best = (sim.cost, sched)
+        return sim.peak_bytes
+
+    attempt(lo)
+    # Bisect for the largest cap whose simulated peak still fits (cost falls as the
+    # cap rises); a run that fails or is pruned is no evidence of overshooting.
+    good, bad = lo, hi
+    for _ in range(steps):
+        if bad - good <= max(1, good // 2000) or time.perf_counter() > deadline:
+            break
+        mid = (good + bad) // 2
+        p = attempt(mid)
+        if p is None or p <= budget:
+            good = mid
+        else:
+            bad = mid
+    return best, lowest
+
+
+def evict_plan(problem: Problem, scores: Sequence[str] = SCORES, deadline: float | None = None,
+               planner: EvictionPlanner | None = None, best=None):
+    """Cheapest eviction schedule over ``scores`` as (cost, schedule), or None; and lowest peak.
+
+    ``best``, an incumbent (cost, schedule), prunes runs that would cost more.
+    """
+    if deadline is None:
+        deadline = time.perf_counter() + (problem.time_limit_s or 10.0)
+    planner = planner or EvictionPlanner(problem.graph, problem.order)
+    lowest = None
+    for sc in scores:
+        best, low = _search(problem, planner, sc, deadline, best)
+        if low is not None:
+            lowest = low if lowest is None else min(lowest, low)
+        if time.perf_counter() > deadline:
+            break
+    return best, lowest
+
+
+def min_feasible_budget(problem: Problem, planner: EvictionPlanner | None = None,
+                        score: str = "belady", deadline: float | None = None):
+    """Smallest budget (bisected) at which an eviction schedule fits, with that schedule.
+
+    Returns
+    -------
+    (int, list) or (None, None)
+        The lowest simulated peak found and its schedule: a plan at that budget exists.
+    """
+    planner = planner or EvictionPlanner(problem.graph, problem.order)
+    g, fixed = problem.graph, problem.fixed_bytes
+    lb = single_op_lower_bound(g, fixed)
+    ref = reference_simulation(g, fixed).peak_bytes
+    best = (None, None)
+
+    def peak_at(cap):
+        nonlocal best
+        # Runs at tiny caps recompute a lot; allow that here, it is the point.
+        pos = planner.run(cap, score, max_len=20 * planner.n + 100)
+        if pos is None:
+            return None
+        sched = planner.nodes(pos)
+        p = simulate(g, sched, fixed).peak_bytes
+        if best[0] is None or p < best[0]:
+            best = (p, sched)
+        return p
+
+    lo, hi = lb - fixed - 1, ref - fixed  # cap lo fails (below the bound), hi fits
+    if peak_at(hi) is None:
+        return best
+    while hi - lo > max(1, hi // 1000):
+        if deadline is not None and time.perf_counter() > deadline:
+            break
+        mid = (lo + hi) // 2
+        if peak_at(mid) is None:
+            lo = mid
+        else:
+            hi = mid
+    return best
+
+
+def evict_solver(problem: Problem) -> Plan:
+    """Eviction planning over several scoring rules, each with its working budget bisected.
+
+    Raises
+    ------
+    InfeasibleBudgetError
+        When no rule fits; ``min_feasible_bytes`` is the smallest budget the planner
+        meets (found by bisection), or the single-op lower bound.
+    """
+    t0 = time.perf_counter()
+    limit = problem.time_limit_s or 10.0
+    g, fixed = problem.graph, problem.fixed_bytes
+    ref = reference_simulation(g, fixed)
+    if ref.peak_bytes <= problem.budget_bytes:
+        return make_plan(problem, problem.order, "evict", "optimal", cost_lower_bound=ref.cost,
+                         solve_s=time.perf_counter() - t0)
+    planner = EvictionPlanner(g, problem.order)
+    best, _ = evict_plan(problem, deadline=t0 + limit, planner=planner)
+    if best is None:
+        mf, sched = min_feasible_budget(problem, planner, deadline=t0 + 2 * limit)
+        if mf is not None and mf <= problem.budget_bytes:  # the bisection found one
+            return make_plan(problem, sched, "evict", "heuristic", cost_lower_bound=ref.cost,
+                             solve_s=time.perf_counter() - t0)
+        raise InfeasibleBudgetError(
+            problem.budget_bytes,
+            mf if mf is not None else single_op_lower_bound(g, fixed),
+            "eviction planning",
+        )
+    return make_plan(problem, best[1], "evict", "heuristic", cost_lower_bound=ref.cost,
+                     solve_s=time.perf_counter() - t0)
