@@ -1,0 +1,153 @@
+"""The public API: budget validation, typed errors, and the original left intact."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import tfremat
+from tfremat.api import budget_to_bytes
+
+
+@pytest.mark.parametrize("bad", [True, False, "1", None, b"1", [1], 1j])
+def test_budget_of_wrong_type_is_type_error(bad):
+    with pytest.raises(TypeError, match="budget_gib"):
+        tfremat.remat(budget_gib=bad)
+
+
+@pytest.mark.parametrize("bad", [0, -1, -0.5, math.nan, math.inf, -math.inf, 1e-12])
+def test_budget_out_of_range_is_value_error(bad):
+    with pytest.raises(ValueError, match="budget_gib"):
+        tfremat.remat(budget_gib=bad)
+
+
+def test_budget_in_bytes():
+    assert budget_to_bytes(1) == 2**30
+    assert budget_to_bytes(1.5) == 3 * 2**29
+    assert budget_to_bytes(np.float32(0.5)) == 2**29
+
+
+def test_unknown_solver_name_lists_known_ones():
+    with pytest.raises(ValueError, match="auto"):
+        tfremat.remat(budget_gib=1, solver="no-such-solver")
+    with pytest.raises(TypeError):
+        tfremat.remat(budget_gib=1, solver=3)
+
+
+def test_bad_headroom():
+    with pytest.raises(ValueError):
+        tfremat.remat(budget_gib=1, headroom=1.0)
+    with pytest.raises(TypeError):
+        tfremat.remat(budget_gib=1, headroom="0.1")
+
+
+def test_infeasible_budget_error_is_value_error_with_fields():
+    e = tfremat.InfeasibleBudgetError(2**30, 3 * 2**30)
+    assert isinstance(e, ValueError) and isinstance(e, tfremat.RematError)
+    assert e.budget_bytes == 2**30 and e.min_feasible_bytes == 3 * 2**30
+    assert "3.000 GiB" in str(e) and "budget_gib" in str(e)
+
+
+def test_error_hierarchy():
+    assert issubclass(tfremat.UnknownShapeError, tfremat.UnsupportedGraphError)
+    assert issubclass(tfremat.UnsupportedGraphError, tfremat.RematError)
+
+
+# --- with TensorFlow ---------------------------------------------------------------
+
+tf = pytest.importorskip("tensorflow")
+from tf_models import make_data, make_step  # noqa: E402
+
+
+def test_infeasible_budget_raises_and_original_keeps_working():
+    x, y = make_data("mlp", batch=512, width=128)
+    model, step = make_step("mlp", "sgd", layers=4, width=128)
+    fn = tfremat.remat(step, budget_gib=1e-6)
+    with pytest.raises(tfremat.InfeasibleBudgetError) as info:
+        fn(x, y)
+    err = info.value
+    assert err.budget_bytes == budget_to_bytes(1e-6)
+    assert err.min_feasible_bytes > err.budget_bytes
+    # Asking for what the error says works.
+    ok = tfremat.remat(step, budget_gib=err.min_feasible_bytes / 2**30)
+    assert ok.get_plan(x, y).predicted_peak_bytes <= err.min_feasible_bytes
+    before = [v.numpy() for v in model.variables]
+    assert np.isfinite(float(step(x, y)))
+    assert any(not np.array_equal(a, v.numpy()) for a, v in zip(before, model.variables))
+
+
+def test_unknown_dimension_is_a_typed_error_naming_the_tensor():
+    _, step = make_step("mlp", "sgd", layers=2, width=16)
+    dynamic = tf.function(step.python_function, input_signature=[
+        tf.TensorSpec([None, 16], tf.float32), tf.TensorSpec([None], tf.int32)])
+    fn = tfremat.remat(dynamic, budget_gib=1)
+    x, y = make_data("mlp", batch=8, width=16)
+    with pytest.raises(tfremat.UnknownShapeError, match="static") as info:
+        fn.get_plan(x, y)
+    assert info.value.tensor_name
+    assert np.isfinite(float(dynamic(x, y)))  # the original still runs
+
+
+def test_plan_fields_and_explain():
+    x, y = make_data("mlp", batch=1024, width=128)
+    _, step = make_step("mlp", "sgd", layers=8, width=128)
+    probe = tfremat.remat(step, budget_gib=1.0).get_plan(x, y)
+    assert probe.recomputed == () and probe.extra_cost_fraction == 0
+    assert probe.predicted_peak_bytes == probe.baseline_peak_bytes
+    budget = (probe.fixed_bytes + 0.8 * (probe.baseline_peak_bytes - probe.fixed_bytes)) / 0.95
+    fn = tfremat.remat(step, budget_gib=budget / 2**30)
+    plan = fn.get_plan(x, y)
+    assert plan.budget_bytes == budget_to_bytes(budget / 2**30)
+    assert plan.predicted_peak_bytes <= plan.budget_bytes < plan.baseline_peak_bytes
+    assert plan.recomputed and plan.kept
+    assert set(plan.recomputed).isdisjoint(plan.kept)
+    assert plan.extra_cost_fraction > 0
+    assert all(isinstance(v, str) for v in plan.recomputed + plan.kept)
+    text = fn.explain(x, y)
+    assert "recompute" in text and "GiB" in text
+
+
+def test_control_flow_stays_opaque_and_exact():
+    tf.config.experimental.enable_op_determinism()
+    import keras
+
+    def build():
+        keras.utils.set_random_seed(0)
+        dense = [keras.layers.Dense(128, activation="relu") for _ in range(6)]
+        head = keras.layers.Dense(10)
+        opt = keras.optimizers.SGD(0.05)
+        x0 = tf.zeros((1, 128))
+        for d in dense:
+            d(x0)
+        head(x0)
+        variables = [w for d in dense + [head] for w in d.trainable_weights]
+
+        @tf.function
+        def step(x, y):
+            with tf.GradientTape() as tape:
+                h = x
+                for d in dense:
+                    h = d(h)
+                # A loop and a branch in the forward pass.
+                h = tf.while_loop(lambda i, a: i < 3, lambda i, a: (i + 1, a * 0.9), (0, h))[1]
+                h = tf.cond(tf.reduce_sum(h) > 0, lambda: h * 2.0, lambda: h)
+                loss = tf.reduce_mean(
+                    tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=head(h)))
+            opt.apply_gradients(zip(tape.gradient(loss, variables), variables))
+            return loss
+
+        return step, variables
+
+    x, y = make_data("mlp", batch=1024, width=128)
+    ref, ref_vars = build()
+    ref_losses = [float(ref(x, y)) for _ in range(3)]
+    step, variables = build()
+    probe = tfremat.remat(step, budget_gib=1.0).get_plan(x, y)
+    budget = (probe.fixed_bytes + 0.8 * (probe.baseline_peak_bytes - probe.fixed_bytes)) / 0.95
+    fn = tfremat.remat(step, budget_gib=budget / 2**30)
+    assert fn.get_plan(x, y).recomputed
+    assert [float(fn(x, y)) for _ in range(3)] == ref_losses
+    for a, b in zip(variables, ref_vars):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
