@@ -18,6 +18,7 @@ from .auto import auto_solver
 from .baselines import BASELINES
 from .common import make_plan
 from .evict import evict_solver
+from .exact import exact_solver
 from .segments import segments_solver
 
 __all__ = ["SOLVERS", "get_solver", "solve", "make_plan"]
@@ -28,6 +29,8 @@ SOLVERS: Mapping[str, Solver] = types.MappingProxyType(
         **BASELINES,
         "segments": segments_solver,
         "evict": evict_solver,
+        # OR-Tools is imported only when this runs (SolverUnavailableError if absent).
+        "exact": exact_solver,
     }
 )
 

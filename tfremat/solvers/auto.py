@@ -26,12 +26,16 @@ from ..plan import Plan, Problem
 from ..simulate import reference_simulation, single_op_lower_bound
 from .baselines import articulation_candidates, greedy_sweep, linear_candidates
 from .common import make_plan
-from .evict import EvictionPlanner, evict_plan, min_feasible_budget
+from .evict import VARIANTS, EvictionPlanner, evict_plan, min_feasible_budget
 from .segments import segments_solver
 
 __all__ = ["auto_solver"]
 
 DEFAULT_TIME_LIMIT_S = 10.0
+RESTART_S = 5.0
+#: Above this many nodes (op-level traces) only the three best eviction variants
+#: run and random restarts are skipped, to stay within a few seconds.
+LARGE_GRAPH = 1500
 
 
 def auto_solver(problem: Problem) -> Plan:
@@ -82,7 +86,18 @@ def auto_solver(problem: Problem) -> Plan:
     except InfeasibleBudgetError as e:
         lowest = min(lowest, e.min_feasible_bytes)
     planner = EvictionPlanner(g, problem.order)
-    best, low = evict_plan(problem, deadline=deadline, planner=planner, best=best)
+    # Random restarts get what time is left, but at most a few seconds past the
+    # deterministic variants: their gains flatten quickly (docs/solvers.md).
+    n = g.number_of_nodes()
+    big = n > LARGE_GRAPH
+    best, low = evict_plan(
+        problem,
+        variants=VARIANTS[:3] if big else VARIANTS,
+        deadline=min(deadline, time.perf_counter() + (1.0 if big else RESTART_S)),
+        planner=planner,
+        best=best,
+        restarts=not big,
+    )
     if low is not None:
         lowest = min(lowest, low)
     if best is None:

@@ -43,6 +43,17 @@ Node = Hashable
 #: need the value again).
 SCORES = ("cost_bytes_dist", "belady", "cost_bytes", "cost_bytes_dist2")
 
+#: The (score, neighbourhood) variants the solvers try, best first as measured on
+#: the Checkmate graphs (docs/solvers.md); Belady alone was never the cheapest.
+VARIANTS = (
+    ("cost_bytes", False),
+    ("cost_bytes_dist", False),
+    ("cost_bytes", True),
+    ("cost_bytes_dist", True),
+    ("cost_bytes_dist2", False),
+    ("cost_bytes_dist2", True),
+)
+
 
 class EvictionPlanner:
     """Precomputed arrays for repeated eviction runs on one graph.
@@ -89,7 +100,8 @@ class EvictionPlanner:
         self.eps = float(pos.min()) * 1e-3 if pos.size else 1.0
 
     def run(self, cap: int, score: str = "cost_bytes_dist", max_cost: float = np.inf,
-            max_len: int | None = None) -> list[int] | None:
+            max_len: int | None = None, neighbourhood: bool = True,
+            noise: np.ndarray | None = None) -> list[int] | None:
         """Schedule (as reference positions) keeping tracked live bytes <= ``cap``.
 
         Returns None when some op cannot fit, or when the schedule's cost would exceed
@@ -128,8 +140,11 @@ class EvictionPlanner:
             # Recompute cost counts the inputs that are gone too (one level of DTR's
             # evicted neighbourhood): evicting a value whose inputs were evicted
             # starts a cascade of recomputations.
-            gone = np.where(resident | ~recomp, 0.0, cost + eps)
-            c = cost[cand] + eps + (pmat[cand] @ gone)
+            if neighbourhood:
+                gone = np.where(resident | ~recomp, 0.0, cost + eps)
+                c = cost[cand] + eps + (pmat[cand] @ gone)
+            else:
+                c = cost[cand] + eps
             d = np.maximum(next_use[cand] - t, 0.5)  # used by this very step: keep
             with np.errstate(divide="ignore", invalid="ignore"):
                 if score == "belady":
@@ -140,6 +155,8 @@ class EvictionPlanner:
                     key = c / (s * d * d)
                 else:
                     key = c / (s * d)
+                if noise is not None:
+                    key = key * noise[cand]
                 key = np.where(s > 0, key, np.inf)
             for j in cand[np.argsort(key, kind="stable")]:
                 if size[j] <= 0:  # zero-size values free nothing
@@ -231,7 +248,7 @@ class EvictionPlanner:
 
 
 def _search(problem: Problem, planner: EvictionPlanner, score: str, deadline: float,
-            best=None, steps: int = 10):
+            best=None, steps: int = 10, neighbourhood: bool = False, noise=None):
     """Improve ``best`` = (cost, schedule) over working budgets from the budget upwards.
 
     Returns the new best (or None) and the lowest simulated peak seen (or None).
@@ -243,7 +260,8 @@ def _search(problem: Problem, planner: EvictionPlanner, score: str, deadline: fl
 
     def attempt(cap):
         nonlocal best, lowest
-        pos = planner.run(cap, score, max_cost=best[0] if best else np.inf)
+        pos = planner.run(cap, score, max_cost=best[0] if best else np.inf,
+                          neighbourhood=neighbourhood, noise=noise)
         if pos is None:  # cannot fit at this cap, or pruned as dearer than the best
             return None
         sched = planner.nodes(pos)
@@ -269,22 +287,42 @@ def _search(problem: Problem, planner: EvictionPlanner, score: str, deadline: fl
     return best, lowest
 
 
-def evict_plan(problem: Problem, scores: Sequence[str] = SCORES, deadline: float | None = None,
-               planner: EvictionPlanner | None = None, best=None):
-    """Cheapest eviction schedule over ``scores`` as (cost, schedule), or None; and lowest peak.
+def evict_plan(problem: Problem, variants=VARIANTS, deadline: float | None = None,
+               planner: EvictionPlanner | None = None, best=None, restarts: bool = True,
+               seed: int = 0):
+    """Cheapest eviction schedule as (cost, schedule), or None; and the lowest peak seen.
 
+    Tries each (score, neighbourhood) variant, each with its working budget bisected;
+    then, while time remains, restarts with the best variant's keys randomly perturbed
+    (log-normal noise per value), which escapes the greedy rule's ties and myopia.
     ``best``, an incumbent (cost, schedule), prunes runs that would cost more.
+    Deterministic for a given ``seed`` (up to the deadline).
     """
     if deadline is None:
         deadline = time.perf_counter() + (problem.time_limit_s or 10.0)
     planner = planner or EvictionPlanner(problem.graph, problem.order)
     lowest = None
-    for sc in scores:
-        best, low = _search(problem, planner, sc, deadline, best)
+    winner = variants[0]
+    for sc, nb in variants:
+        before = best[0] if best else None
+        best, low = _search(problem, planner, sc, deadline, best, neighbourhood=nb)
+        if best is not None and (before is None or best[0] < before):
+            winner = (sc, nb)
         if low is not None:
             lowest = low if lowest is None else min(lowest, low)
         if time.perf_counter() > deadline:
+            return best, lowest
+    if not restarts or best is None:
+        return best, lowest
+    rng = np.random.default_rng(seed)
+    sc, nb = winner
+    for k in range(200):
+        if time.perf_counter() > deadline:
             break
+        sigma = (0.1, 0.3, 1.0)[k % 3]
+        noise = np.exp(sigma * rng.standard_normal(planner.n))
+        best, low = _search(problem, planner, sc, deadline, best, neighbourhood=nb,
+                            noise=noise, steps=6)
     return best, lowest
 
 
