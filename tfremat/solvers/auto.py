@@ -102,11 +102,10 @@ def auto_solver(problem: Problem) -> Plan:
         lowest = min(lowest, low)
     if best is None:
         mf, sched = min_feasible_budget(problem, planner, deadline=time.perf_counter() + limit)
-        if mf is not None and mf <= budget:  # the bisection found a plan after all
+        if mf <= budget:  # the bisection found a plan after all
             return make_plan(problem, sched, "auto", "heuristic", cost_lower_bound=ref.cost,
                              solve_s=time.perf_counter() - t0)
-        if mf is not None:
-            lowest = min(lowest, mf)
+        lowest = min(lowest, mf)
         raise InfeasibleBudgetError(
             budget, max(lowest, single_op_lower_bound(g, fixed)), "auto portfolio"
         )

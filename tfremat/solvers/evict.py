@@ -316,13 +316,17 @@ def evict_plan(problem: Problem, variants=VARIANTS, deadline: float | None = Non
         return best, lowest
     rng = np.random.default_rng(seed)
     sc, nb = winner
+    stale = 0
     for k in range(200):
-        if time.perf_counter() > deadline:
+        # Stop at the deadline, or after 30 restarts in a row without a gain.
+        if time.perf_counter() > deadline or stale >= 30:
             break
         sigma = (0.1, 0.3, 1.0)[k % 3]
         noise = np.exp(sigma * rng.standard_normal(planner.n))
+        before = best[0]
         best, low = _search(problem, planner, sc, deadline, best, neighbourhood=nb,
                             noise=noise, steps=6)
+        stale = 0 if best[0] < before else stale + 1
     return best, lowest
 
 
@@ -332,14 +336,16 @@ def min_feasible_budget(problem: Problem, planner: EvictionPlanner | None = None
 
     Returns
     -------
-    (int, list) or (None, None)
-        The lowest simulated peak found and its schedule: a plan at that budget exists.
+    (int, list)
+        The lowest simulated peak found and its schedule (at worst the reference
+        order's): a plan at that budget exists.
     """
     planner = planner or EvictionPlanner(problem.graph, problem.order)
     g, fixed = problem.graph, problem.fixed_bytes
     lb = single_op_lower_bound(g, fixed)
     ref = reference_simulation(g, fixed).peak_bytes
-    best = (None, None)
+    # The reference order itself is a plan: the answer is never worse than it.
+    best = (ref, list(problem.order))
 
     def peak_at(cap):
         nonlocal best
@@ -349,11 +355,12 @@ def min_feasible_budget(problem: Problem, planner: EvictionPlanner | None = None
             return None
         sched = planner.nodes(pos)
         p = simulate(g, sched, fixed).peak_bytes
-        if best[0] is None or p < best[0]:
+        if p < best[0]:
             best = (p, sched)
         return p
 
-    lo, hi = lb - fixed - 1, ref - fixed  # cap lo fails (below the bound), hi fits
+    # cap lo fails (below the bound); hi fits unless pinned values overshoot it.
+    lo, hi = lb - fixed - 1, ref - fixed
     if peak_at(hi) is None:
         return best
     while hi - lo > max(1, hi // 1000):
@@ -387,13 +394,9 @@ def evict_solver(problem: Problem) -> Plan:
     best, _ = evict_plan(problem, deadline=t0 + limit, planner=planner)
     if best is None:
         mf, sched = min_feasible_budget(problem, planner, deadline=t0 + 2 * limit)
-        if mf is not None and mf <= problem.budget_bytes:  # the bisection found one
+        if mf <= problem.budget_bytes:  # the bisection found one
             return make_plan(problem, sched, "evict", "heuristic", cost_lower_bound=ref.cost,
                              solve_s=time.perf_counter() - t0)
-        raise InfeasibleBudgetError(
-            problem.budget_bytes,
-            mf if mf is not None else single_op_lower_bound(g, fixed),
-            "eviction planning",
-        )
+        raise InfeasibleBudgetError(problem.budget_bytes, mf, "eviction planning")
     return make_plan(problem, best[1], "evict", "heuristic", cost_lower_bound=ref.cost,
                      solve_s=time.perf_counter() - t0)
