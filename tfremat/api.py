@@ -12,6 +12,7 @@ import functools
 import math
 import numbers
 import threading
+import warnings
 from typing import Any, Callable
 
 from .errors import GIB, InfeasibleBudgetError, RematError
@@ -64,6 +65,7 @@ class _Entry:
     plan: Plan
     fn: Callable
     rewrite_info: Any
+    checked: bool = False  # the emitted function has run once (Grappler accepted it)
 
 
 class RematFunction:
@@ -83,6 +85,7 @@ class RematFunction:
         self._cache: dict = {}
         self._lock = threading.Lock()
         self._tf_fn = None
+        self._unconverted_call = None
         functools.update_wrapper(self, fn)
 
     # -- public --------------------------------------------------------------
@@ -91,10 +94,22 @@ class RematFunction:
         return self.budget_bytes / GIB
 
     def __call__(self, *args, **kwargs):
+        # Called inside someone else's tf.function, AutoGraph would convert tfremat's
+        # own code (and mangle networkx calls); the planning code must run as Python.
+        if self._unconverted_call is None:
+            from ._tf import import_tf
+
+            self._unconverted_call = import_tf().autograph.experimental.do_not_convert(self._call)
+        return self._unconverted_call(*args, **kwargs)
+
+    def _call(self, *args, **kwargs):
         from .trace import flat_tensor_args
 
         entry = self._entry(args, kwargs)
-        return entry.fn(*flat_tensor_args(entry.traced.python_function, args, kwargs))
+        flat = flat_tensor_args(entry.traced.python_function, args, kwargs)
+        if entry.checked:
+            return entry.fn(*flat)
+        return self._first_call(entry, flat)
 
     def get_plan(self, *args, **kwargs) -> Plan:
         """The plan used for these arguments (traces and solves on first use).
@@ -133,6 +148,40 @@ class RematFunction:
         return "\n".join(lines)
 
     # -- internals -------------------------------------------------------------
+    def _first_call(self, entry: _Entry, flat):
+        """Run a new entry once; fall back to minimal ordering if Grappler finds a cycle.
+
+        Grappler fuses and rewrites ops after tfremat's ordering edges are placed; a
+        fusion of two ops on either side of an edge can close a cycle. That error is
+        raised when the function is instantiated, before any op runs, so retrying
+        cannot apply an update twice.
+        """
+        from ._tf import import_tf
+        from .emit import emit
+        from .rewrite import rewrite_graph_def
+
+        tf = import_tf()
+        try:
+            out = entry.fn(*flat)
+        except tf.errors.InvalidArgumentError as e:
+            if "cycle" not in str(e) or not self.strict:
+                raise
+            gd, info = rewrite_graph_def(
+                entry.traced.graph_def, entry.plan.schedule, entry.step_graph.graph,
+                entry.traced.dtypes, strict=False,
+            )
+            entry.fn, entry.rewrite_info = emit(entry.traced, gd), info
+            warnings.warn(
+                "tfremat: Grappler's rewrites conflicted with the strict ordering edges "
+                "(a cycle); running with minimal ordering edges, so the measured peak "
+                "may differ more from the prediction",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            out = entry.fn(*flat)
+        entry.checked = True
+        return out
+
     def _tf_function(self):
         if self._tf_fn is None:
             from .trace import as_tf_function
