@@ -94,7 +94,8 @@ def test_module_entry_point(tmp_path):
 def test_shared_graph_round_trip(tmp_path):
     out = tmp_path / "o.json"
     gpath = SHARED / "VGG16_b256_224x224_train.json"
-    assert main(["solve", str(gpath), "--budget-fraction", "0.9", "--json", str(out)]) == 0
+    assert main(["solve", str(gpath), "--budget-fraction", "0.9", "--time-limit", "3",
+                 "--json", str(out)]) == 0
     res = json.loads(out.read_text())
     g = nx.node_link_graph(json.loads(gpath.read_text()), edges="links")
     # Re-check in the file's own vocabulary, independently of tfremat.io.

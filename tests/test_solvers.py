@@ -218,8 +218,8 @@ def test_auto_infeasible_on_op_level_graph_reports_reachable_budget():
     g = op_level_mlp(layers=10)
     lb = single_op_lower_bound(g)
     with pytest.raises(InfeasibleBudgetError) as ei:
-        solve(Problem(g, lb - 1), "auto")
+        solve(Problem(g, lb - 1, time_limit_s=2), "auto")
     mf = ei.value.min_feasible_bytes
     assert mf >= lb
-    plan = solve(Problem(g, mf), "auto")
+    plan = solve(Problem(g, mf, time_limit_s=2), "auto")
     assert plan.predicted_peak_bytes <= mf

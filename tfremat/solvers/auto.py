@@ -21,21 +21,58 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from ..errors import InfeasibleBudgetError
+from ..errors import InfeasibleBudgetError, SolverUnavailableError
 from ..plan import Plan, Problem
 from ..simulate import reference_simulation, single_op_lower_bound
 from .baselines import articulation_candidates, greedy_sweep, linear_candidates
 from .common import make_plan
-from .evict import VARIANTS, EvictionPlanner, evict_plan, min_feasible_budget
+from .evict import VARIANTS, EvictionPlanner, evict_plan, memory_greedy_order, min_feasible_budget
 from .segments import segments_solver
 
 __all__ = ["auto_solver"]
 
-DEFAULT_TIME_LIMIT_S = 10.0
+DEFAULT_TIME_LIMIT_S = 9.0  # the 10 s per-solve target, with a margin
 RESTART_S = 5.0
+POLISH_S = 4.0  # time kept back for the CP-SAT polish
 #: Above this many nodes (op-level traces) only the three best eviction variants
 #: run and random restarts are skipped, to stay within a few seconds.
 LARGE_GRAPH = 1500
+#: Graphs up to this size get a CP-SAT polish of the best plan in the time left
+#: (layer-level graphs; op-level traces are larger and rely on the heuristics).
+POLISH_MAX_NODES = 400
+
+
+def _polish(problem: Problem, best, deadline: float) -> Plan | None:
+    """Improve ``best`` with the CP-SAT model, hinted with it, in the time left.
+
+    Skipped (None) when OR-Tools is missing or under half a second is left. First
+    computations keep the reference order unless the graph may be reordered.
+    """
+    left = deadline - time.perf_counter()
+    if left < 0.5:
+        return None
+    try:
+        from .exact import cpsat_plan
+
+        hint = make_plan(problem, best[1], "auto", "heuristic")
+        return cpsat_plan(problem, hint, name="auto", limit=left,
+                          keep_order=not _may_reorder(problem.graph))
+    except (SolverUnavailableError, InfeasibleBudgetError):
+        return None
+
+
+def _may_reorder(g) -> bool:
+    """True unless the graph says otherwise or has an op that must run exactly once."""
+    flag = g.graph.get("allow_reorder")
+    if flag is not None:
+        return bool(flag)
+    return all(a.get("recomputable", True) for _, a in g.nodes(data=True))
+
+
+def _with_order(g, order):
+    h = g.copy(as_view=False)
+    h.graph["order"] = list(order)
+    return h
 
 
 def auto_solver(problem: Problem) -> Plan:
@@ -93,13 +130,27 @@ def auto_solver(problem: Problem) -> Plan:
     best, low = evict_plan(
         problem,
         variants=VARIANTS[:3] if big else VARIANTS,
-        deadline=min(deadline, time.perf_counter() + (1.0 if big else RESTART_S)),
+        deadline=min(deadline - (POLISH_S if n <= POLISH_MAX_NODES else 0.0),
+                     time.perf_counter() + (1.0 if big else RESTART_S)),
         planner=planner,
         best=best,
         restarts=not big,
     )
     if low is not None:
         lowest = min(lowest, low)
+    if not big and _may_reorder(g):
+        # Graphs whose ops may all be reordered (no op must run exactly once, as
+        # stateful or non-recomputable TF ops must, in reference order): also plan on
+        # a memory-greedy order.
+        alt = dataclasses.replace(problem, graph=_with_order(g, memory_greedy_order(g, problem.order)))
+        best, low = evict_plan(alt, variants=VARIANTS[:2], best=best, restarts=False,
+                               deadline=max(deadline, time.perf_counter() + 1.0))
+        if low is not None:
+            lowest = min(lowest, low)
+    if best is not None and n <= POLISH_MAX_NODES:
+        polished = _polish(problem, best, deadline)
+        if polished is not None and polished.cost < best[0]:
+            best = (polished.cost, list(polished.schedule))
     if best is None:
         mf, sched = min_feasible_budget(problem, planner, deadline=time.perf_counter() + limit)
         if mf <= budget:  # the bisection found a plan after all

@@ -134,118 +134,146 @@ def make_exact_solver(
         if budget < lb_peak:
             raise InfeasibleBudgetError(budget, lb_peak, "below the single-op lower bound")
 
-        nodes = list(problem.order)
-        counts = {v: 0 for v in nodes}
-        if hint is not None:
-            for v in hint.schedule:
-                counts[v] += 1
-        C = {
-            v: (1 if not g.nodes[v].get("recomputable", True) else max(max_computations, counts[v]))
-            for v in nodes
-        }
-        H = sum(C.values())
-        sizes = [int(g.nodes[v]["bytes"]) for v in nodes]
-        # Scale bytes by their gcd: same constraint, smaller coefficients for CP-SAT.
-        gcd = 0
-        for b in sizes + [budget - fixed]:
-            gcd = math.gcd(gcd, int(b))
-        gcd = max(gcd, 1)
-        cap = (budget - fixed) // gcd
-        costs = [g.nodes[v]["cost"] for v in nodes]
-        # Integer objective: costs may be floats; scale so relative order survives.
-        if all(float(c).is_integer() for c in costs):
-            cscale = 1.0
-        else:
-            cscale = 1e6 / max(1e-12, max(abs(c) for c in costs))
-        icost = [int(round(c * cscale)) for c in costs]
-
-        m = cp_model.CpModel()
-        pres, start, end = {}, {}, {}
-        cum_iv, cum_dem, unit_iv = [], [], []
-        for i, v in enumerate(nodes):
-            for c in range(C[v]):
-                p = m.NewConstant(1) if c == 0 else m.NewBoolVar(f"p{i}_{c}")
-                s = m.NewIntVar(0, H - 1, f"s{i}_{c}")
-                e = m.NewIntVar(0, H - 1, f"e{i}_{c}")
-                m.Add(e >= s)
-                length = m.NewIntVar(1, H, f"l{i}_{c}")
-                iv = m.NewOptionalIntervalVar(s, length, e + 1, p, f"iv{i}_{c}")
-                unit_iv.append(m.NewOptionalIntervalVar(s, 1, s + 1, p, f"u{i}_{c}"))
-                if sizes[i] > 0:
-                    cum_iv.append(iv)
-                    cum_dem.append(sizes[i] // gcd if sizes[i] % gcd == 0 else sizes[i])
-                pres[i, c], start[i, c], end[i, c] = p, s, e
-                if c > 0:
-                    m.AddImplication(p, pres[i, c - 1])
-                    m.Add(start[i, c] > end[i, c - 1]).OnlyEnforceIf(p)
-                    # Absent copies sit after the last present one (symmetry).
-                    m.Add(start[i, c] >= start[i, c - 1])
-        m.AddNoOverlap(unit_iv)
-        m.AddCumulative(cum_iv, cum_dem, cap)
-        idx = {v: i for i, v in enumerate(nodes)}
-        for u, v in g.edges:
-            iu, iv_ = idx[u], idx[v]
-            for c in range(C[v]):
-                options = []
-                for cu in range(C[u]):
-                    b = m.NewBoolVar(f"b{iu}_{cu}_{iv_}_{c}")
-                    m.AddImplication(b, pres[iu, cu])
-                    m.Add(start[iu, cu] < start[iv_, c]).OnlyEnforceIf(b)
-                    m.Add(end[iu, cu] >= start[iv_, c]).OnlyEnforceIf(b)
-                    options.append(b)
-                m.AddBoolOr(options).OnlyEnforceIf(pres[iv_, c])
-            # The first computation of a consumer follows the producer's first one.
-            m.Add(start[iu, 0] < start[iv_, 0])
-        m.Minimize(sum(icost[i] * pres[i, c] for i, v in enumerate(nodes) for c in range(C[v])))
-
-        if hint is not None:
-            sched = list(hint.schedule)
-            last = _last_uses(g, sched)
-            seen: dict = {v: 0 for v in nodes}
-            for j, v in enumerate(sched):
-                i, c = idx[v], seen[v]
-                seen[v] += 1
-                if c > 0:
-                    m.AddHint(pres[i, c], 1)
-                m.AddHint(start[i, c], j)
-                m.AddHint(end[i, c], last[j])
-            for v in nodes:
-                i = idx[v]
-                for c in range(seen[v], C[v]):
-                    m.AddHint(pres[i, c], 0)
-                    m.AddHint(start[i, c], H - 1)
-                    m.AddHint(end[i, c], H - 1)
-
-        solver = cp_model.CpSolver()
-        solver.parameters.max_time_in_seconds = max(0.1, limit - (time.perf_counter() - t0))
-        solver.parameters.num_search_workers = workers or max(1, os.cpu_count() or 1)
-        st = solver.Solve(m)
-        if st in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-            comps = [
-                (solver.Value(start[i, c]), v)
-                for i, v in enumerate(nodes)
-                for c in range(C[v])
-                if solver.BooleanValue(pres[i, c])
-            ]
-            comps.sort(key=lambda x: x[0])
-            sched = [v for _, v in comps]
-            sim = simulate(g, sched, fixed)
-            bound = solver.BestObjectiveBound() / cscale
-            status = "optimal" if st == cp_model.OPTIMAL else "feasible"
-            if sim.peak_bytes <= budget and (hint is None or sim.cost <= hint.cost):
-                return make_plan(problem, sched, name, status,
-                                 cost_lower_bound=max(ref.cost, min(bound, sim.cost)),
-                                 solve_s=time.perf_counter() - t0)
-        if hint is not None:  # the search found nothing better in time
-            return make_plan(problem, hint.schedule, name, "feasible", cost_lower_bound=ref.cost,
-                             solve_s=time.perf_counter() - t0)
-        why = "proven infeasible within the model" if st == cp_model.INFEASIBLE else "no plan found in time"
-        mf = hint_error.min_feasible_bytes if hint_error is not None else lb_peak
-        raise InfeasibleBudgetError(budget, max(mf, budget + 1, lb_peak), why)
+        return cpsat_plan(problem, hint, hint_error, max_computations, workers, name, t0,
+                          limit, keep_order=False)
 
     exact.__name__ = name
     exact.__qualname__ = name
     return exact
+
+
+def cpsat_plan(problem: Problem, hint: Plan | None, hint_error=None, max_computations: int = 2,
+               workers: int | None = None, name: str = "exact", t0: float | None = None,
+               limit: float | None = None, keep_order: bool = False) -> Plan:
+    """Solve the CP-SAT model of ``problem``, hinted with ``hint``; best plan found.
+
+    With ``keep_order`` the nodes' first computations follow the reference order
+    (what the TensorFlow rewriter needs), so only recomputations are placed freely.
+
+    Raises
+    ------
+    SolverUnavailableError
+        When OR-Tools is not installed.
+    InfeasibleBudgetError
+        When the search finds no plan and there is no hint to fall back on.
+    """
+    cp_model = _import_cp_model()
+    t0 = time.perf_counter() if t0 is None else t0
+    limit = problem.time_limit_s or DEFAULT_TIME_LIMIT_S if limit is None else limit
+    g, fixed, budget = problem.graph, problem.fixed_bytes, problem.budget_bytes
+    ref = reference_simulation(g, fixed)
+    lb_peak = single_op_lower_bound(g, fixed)
+    nodes = list(problem.order)
+    counts = {v: 0 for v in nodes}
+    if hint is not None:
+        for v in hint.schedule:
+            counts[v] += 1
+    C = {
+        v: (1 if not g.nodes[v].get("recomputable", True) else max(max_computations, counts[v]))
+        for v in nodes
+    }
+    H = sum(C.values())
+    sizes = [int(g.nodes[v]["bytes"]) for v in nodes]
+    # Scale bytes by their gcd: same constraint, smaller coefficients for CP-SAT.
+    gcd = 0
+    for b in sizes + [budget - fixed]:
+        gcd = math.gcd(gcd, int(b))
+    gcd = max(gcd, 1)
+    cap = (budget - fixed) // gcd
+    costs = [g.nodes[v]["cost"] for v in nodes]
+    # Integer objective: costs may be floats; scale so relative order survives.
+    if all(float(c).is_integer() for c in costs):
+        cscale = 1.0
+    else:
+        cscale = 1e6 / max(1e-12, max(abs(c) for c in costs))
+    icost = [int(round(c * cscale)) for c in costs]
+
+    m = cp_model.CpModel()
+    pres, start, end = {}, {}, {}
+    cum_iv, cum_dem, unit_iv = [], [], []
+    for i, v in enumerate(nodes):
+        for c in range(C[v]):
+            p = m.NewConstant(1) if c == 0 else m.NewBoolVar(f"p{i}_{c}")
+            s = m.NewIntVar(0, H - 1, f"s{i}_{c}")
+            e = m.NewIntVar(0, H - 1, f"e{i}_{c}")
+            m.Add(e >= s)
+            length = m.NewIntVar(1, H, f"l{i}_{c}")
+            iv = m.NewOptionalIntervalVar(s, length, e + 1, p, f"iv{i}_{c}")
+            unit_iv.append(m.NewOptionalIntervalVar(s, 1, s + 1, p, f"u{i}_{c}"))
+            if sizes[i] > 0:
+                cum_iv.append(iv)
+                cum_dem.append(sizes[i] // gcd if sizes[i] % gcd == 0 else sizes[i])
+            pres[i, c], start[i, c], end[i, c] = p, s, e
+            if c > 0:
+                m.AddImplication(p, pres[i, c - 1])
+                m.Add(start[i, c] > end[i, c - 1]).OnlyEnforceIf(p)
+                # Absent copies sit after the last present one (symmetry).
+                m.Add(start[i, c] >= start[i, c - 1])
+    m.AddNoOverlap(unit_iv)
+    m.AddCumulative(cum_iv, cum_dem, cap)
+    idx = {v: i for i, v in enumerate(nodes)}
+    for u, v in g.edges:
+        iu, iv_ = idx[u], idx[v]
+        for c in range(C[v]):
+            options = []
+            for cu in range(C[u]):
+                b = m.NewBoolVar(f"b{iu}_{cu}_{iv_}_{c}")
+                m.AddImplication(b, pres[iu, cu])
+                m.Add(start[iu, cu] < start[iv_, c]).OnlyEnforceIf(b)
+                m.Add(end[iu, cu] >= start[iv_, c]).OnlyEnforceIf(b)
+                options.append(b)
+            m.AddBoolOr(options).OnlyEnforceIf(pres[iv_, c])
+        # The first computation of a consumer follows the producer's first one.
+        m.Add(start[iu, 0] < start[iv_, 0])
+    if keep_order:
+        for a_, b_ in zip(nodes, nodes[1:]):
+            m.Add(start[idx[a_], 0] < start[idx[b_], 0])
+    m.Minimize(sum(icost[i] * pres[i, c] for i, v in enumerate(nodes) for c in range(C[v])))
+
+    if hint is not None:
+        sched = list(hint.schedule)
+        last = _last_uses(g, sched)
+        seen: dict = {v: 0 for v in nodes}
+        for j, v in enumerate(sched):
+            i, c = idx[v], seen[v]
+            seen[v] += 1
+            if c > 0:
+                m.AddHint(pres[i, c], 1)
+            m.AddHint(start[i, c], j)
+            m.AddHint(end[i, c], last[j])
+        for v in nodes:
+            i = idx[v]
+            for c in range(seen[v], C[v]):
+                m.AddHint(pres[i, c], 0)
+                m.AddHint(start[i, c], H - 1)
+                m.AddHint(end[i, c], H - 1)
+
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = max(0.1, limit - (time.perf_counter() - t0))
+    solver.parameters.num_search_workers = workers or max(1, os.cpu_count() or 1)
+    st = solver.Solve(m)
+    if st in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        comps = [
+            (solver.Value(start[i, c]), v)
+            for i, v in enumerate(nodes)
+            for c in range(C[v])
+            if solver.BooleanValue(pres[i, c])
+        ]
+        comps.sort(key=lambda x: x[0])
+        sched = [v for _, v in comps]
+        sim = simulate(g, sched, fixed)
+        bound = solver.BestObjectiveBound() / cscale
+        status = "optimal" if st == cp_model.OPTIMAL else "feasible"
+        if sim.peak_bytes <= budget and (hint is None or sim.cost <= hint.cost):
+            return make_plan(problem, sched, name, status,
+                             cost_lower_bound=max(ref.cost, min(bound, sim.cost)),
+                             solve_s=time.perf_counter() - t0)
+    if hint is not None:  # the search found nothing better in time
+        return make_plan(problem, hint.schedule, name, "feasible", cost_lower_bound=ref.cost,
+                         solve_s=time.perf_counter() - t0)
+    why = "proven infeasible within the model" if st == cp_model.INFEASIBLE else "no plan found in time"
+    mf = hint_error.min_feasible_bytes if hint_error is not None else lb_peak
+    raise InfeasibleBudgetError(budget, max(mf, budget + 1, lb_peak), why)
 
 
 exact_solver = make_exact_solver()
