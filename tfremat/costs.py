@@ -82,15 +82,40 @@ def num_elements(shape: Sequence[int]) -> int:
     return int(math.prod(shape)) if shape else 1
 
 
-def op_cost(op_type: str, in_shapes: Sequence[Sequence[int] | None], out_shapes: Sequence[Sequence[int]]) -> float:
+def einsum_flops(equation: str, in_shapes: Sequence[Sequence[int] | None]) -> float | None:
+    """``2 * product of every index's size`` for a two-operand Einsum (None if unknown)."""
+    lhs = equation.replace(" ", "").split("->")[0]
+    terms = lhs.split(",")
+    if "." in lhs or len(terms) != len(in_shapes) or any(s is None for s in in_shapes):
+        return None
+    sizes: dict[str, int] = {}
+    for term, shape in zip(terms, in_shapes):
+        if len(term) != len(shape):
+            return None
+        for letter, dim in zip(term, shape):
+            sizes[letter] = max(sizes.get(letter, 1), int(dim))
+    return 2.0 * math.prod(sizes.values())
+
+
+def op_cost(
+    op_type: str,
+    in_shapes: Sequence[Sequence[int] | None],
+    out_shapes: Sequence[Sequence[int]],
+    equation: str = "",
+) -> float:
     """Estimated cost of one run of an op, in FLOP-like units (always >= 1).
 
-    Matrix products: ``2 * out_elements * K``; convolutions: ``2 * out_elements *
-    (kernel elements / output channels)`` (depthwise: kernel spatial size); everything
-    else: number of output elements.
+    Matrix products: ``2 * out_elements * K``; Einsum: ``2 *`` the product of every
+    index's size; convolutions: ``2 * out_elements * (kernel elements / output
+    channels)`` (depthwise: kernel spatial size); everything else: number of output
+    elements.
     """
     out = sum(num_elements(s) for s in out_shapes) if out_shapes else 1
     try:
+        if op_type == "Einsum" and equation:
+            flops = einsum_flops(equation, in_shapes)
+            if flops is not None:
+                return float(max(1.0, flops))
         if op_type in MATMUL_OPS and in_shapes and in_shapes[0] is not None:
             a = in_shapes[0]
             b = in_shapes[1] if len(in_shapes) > 1 and in_shapes[1] is not None else None

@@ -60,6 +60,7 @@ class OpRecord:
     outputs: tuple[TensorInfo, ...]
     stateful: bool
     calls_function: bool = False
+    equation: str = ""  # Einsum's equation, for its FLOP estimate
 
 
 def producer(tensor_name: str) -> str:
@@ -169,7 +170,7 @@ def build_graph(records: Sequence[OpRecord], argument_ops: Iterable[str] = ()) -
             r.name,
             op_type=r.op_type,
             bytes=int(out_bytes),
-            cost=op_cost(r.op_type, in_shapes, [t.shape for t in r.outputs]),
+            cost=op_cost(r.op_type, in_shapes, [t.shape for t in r.outputs], r.equation),
             recomputable=recomputable,
             phase="forward",
             alias=alias,

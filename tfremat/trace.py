@@ -111,6 +111,7 @@ def trace(fn, args: tuple, kwargs: dict | None = None) -> TracedStep:
                 outputs=tuple(_tensor_info(t) for t in op.outputs),
                 stateful=bool(op.op_def.is_stateful) if op.op_def is not None else True,
                 calls_function=calls_function,
+                equation=op.get_attr("equation").decode() if op.type == "Einsum" else "",
             )
         )
     outputs = list(cf.outputs)
