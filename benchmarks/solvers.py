@@ -206,7 +206,7 @@ def cmd_curves(args):
         for name in solvers:
             xs, ys = [], []
             for b in budgets:
-                tl = args.exact_time_limit if name == "exact" else None
+                tl = args.exact_time_limit if name == "exact" else args.time_limit
                 r = run_one(g, int(b), name, tl)
                 if r["status"] != "infeasible":
                     xs.append(b / ref.peak_bytes)
@@ -250,6 +250,7 @@ def main(argv=None):
     c.add_argument("--solvers", nargs="*")
     c.add_argument("--points", type=int, default=12)
     c.add_argument("--exact-time-limit", type=float, default=10.0)
+    c.add_argument("--time-limit", type=float, default=None, help="for the other solvers")
     c.add_argument("--out", default="solver-curves.png")
     c.set_defaults(func=cmd_curves)
     args = p.parse_args(argv)

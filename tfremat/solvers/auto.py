@@ -33,12 +33,13 @@ __all__ = ["auto_solver"]
 
 DEFAULT_TIME_LIMIT_S = 9.0  # the 10 s per-solve target, with a margin
 RESTART_S = 5.0
+RESTART_FIXED_ORDER_S = 1.5
 POLISH_S = 4.0  # time kept back for the CP-SAT polish
 #: Above this many nodes (op-level traces) only the three best eviction variants
 #: run and random restarts are skipped, to stay within a few seconds.
 LARGE_GRAPH = 1500
-#: Graphs up to this size get a CP-SAT polish of the best plan in the time left
-#: (layer-level graphs; op-level traces are larger and rely on the heuristics).
+#: Fully recomputable graphs up to this size get a CP-SAT polish of the best plan
+#: in the time left (layer-level graphs; op-level traces rely on the heuristics).
 POLISH_MAX_NODES = 400
 
 
@@ -127,18 +128,24 @@ def auto_solver(problem: Problem) -> Plan:
     # deterministic variants: their gains flatten quickly (docs/solvers.md).
     n = g.number_of_nodes()
     big = n > LARGE_GRAPH
+    # Op-level traces (some op must run exactly once) are planned inside a user's
+    # first call: keep them to a couple of seconds. Layer-level graphs get the
+    # restarts and the CP-SAT polish that close the gap to the best known plans.
+    reorder = _may_reorder(g)
+    polish = reorder and n <= POLISH_MAX_NODES
+    restart_s = RESTART_S if reorder else RESTART_FIXED_ORDER_S
     best, low = evict_plan(
         problem,
         variants=VARIANTS[:3] if big else VARIANTS,
-        deadline=min(deadline - (POLISH_S if n <= POLISH_MAX_NODES else 0.0),
-                     time.perf_counter() + (1.0 if big else RESTART_S)),
+        deadline=min(deadline - (POLISH_S if polish else 0.0),
+                     time.perf_counter() + (1.0 if big else restart_s)),
         planner=planner,
         best=best,
         restarts=not big,
     )
     if low is not None:
         lowest = min(lowest, low)
-    if not big and _may_reorder(g):
+    if not big and reorder:
         # Graphs whose ops may all be reordered (no op must run exactly once, as
         # stateful or non-recomputable TF ops must, in reference order): also plan on
         # a memory-greedy order.
@@ -147,7 +154,7 @@ def auto_solver(problem: Problem) -> Plan:
                                deadline=max(deadline, time.perf_counter() + 1.0))
         if low is not None:
             lowest = min(lowest, low)
-    if best is not None and n <= POLISH_MAX_NODES:
+    if best is not None and polish:
         polished = _polish(problem, best, deadline)
         if polished is not None and polished.cost < best[0]:
             best = (polished.cost, list(polished.schedule))

@@ -23,14 +23,17 @@ bound within that model. The model is warm-started (hinted) with the ``auto`` pl
 so with any time limit it returns a plan at least as good whenever auto has one.
 
 Why CP-SAT and not Checkmate's MILP on HiGHS: Checkmate's formulation needs
-O(n^2) binaries per matrix (R, S) plus O(n * edges) FREE binaries and fixes the
-frontier order; on 2 cores HiGHS does not close ResNet50-sized instances in
-minutes, while CP-SAT's interval model has O(n * C) intervals and improves
-warm-started plans within seconds (see docs/solvers.md).
+O(n^2) binaries for each of its R and S matrices plus O(n * edges) FREE binaries
+(for ResNet50, n = 353 and 751 edges: about 390,000 binaries) and fixes one
+computation order; this interval model has at most C * n intervals and 4 booleans
+per edge (about 3,700 for ResNet50) and places recomputations anywhere. The choice
+rests on that size and on the reference results (also CP-SAT, Moccasin's model);
+a head-to-head HiGHS run was not measured (docs/solvers.md).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
@@ -46,6 +49,7 @@ from .common import make_plan
 __all__ = ["exact_solver", "make_exact_solver"]
 
 DEFAULT_TIME_LIMIT_S = 60.0
+WARM_START_S = 9.0
 
 Node = Hashable
 
@@ -126,7 +130,8 @@ def make_exact_solver(
 
             ws = get_solver(warm_start)
             try:
-                hint = ws(problem)
+                # A third of the limit at most: the search itself needs the rest.
+                hint = ws(dataclasses.replace(problem, time_limit_s=min(WARM_START_S, limit / 3)))
                 if hint.predicted_peak_bytes > budget:
                     hint = None
             except InfeasibleBudgetError as e:
