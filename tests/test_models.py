@@ -1,0 +1,271 @@
+"""Real Keras models through tfremat.keras: exact, and under budget.
+
+Each model runs in a fresh subprocess (``python tests/test_models.py NAME``): the
+allocator's peak counts every live tensor in the process, so models of other tests
+must not be alive. The subprocess trains the model for 3 steps with Keras' own step,
+then an identically seeded copy with ``tfremat.keras.remat`` at 60 % of the measured
+baseline peak (or, when the solver cannot reach that, at the smallest budget it
+accepts plus 10 %), with op determinism on, and prints one JSON line.
+
+Set ``TFREMAT_MODELS=all`` to also run the large keras.applications models
+(ResNet50, DenseNet121, EfficientNetB0, VGG16: a few minutes each on 2 cores).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+FRACTION = 0.6
+STEPS = 3
+
+# name -> (batch, input shape)
+MODELS = {
+    "transformer": (32, (64, 64)),
+    "rnn": (64, (64, 32)),
+    "cnn_fp16": (64, (32, 32, 3)),
+    "mobilenetv2": (64, (32, 32, 3)),
+    "efficientnetb0": (64, (32, 32, 3)),
+    "vgg16": (32, (32, 32, 3)),
+    "densenet121": (32, (32, 32, 3)),
+    "resnet50": (32, (32, 32, 3)),
+}
+LARGE = {"efficientnetb0", "vgg16", "densenet121", "resnet50"}
+
+# Known gaps, measured (see docs/keras.md). Each is an xfail that still runs: it
+# turns into a pass (reported as XPASS) once the gap is fixed.
+NOT_BITWISE = {
+    "transformer": "ordering edges stop Grappler's arithmetic optimizer from rewriting "
+    "GELU-gradient Mul/Square chains the way it does in Keras' step (~1e-7 per step)",
+    "efficientnetb0": "differs by up to ~1e-3 after 3 Adam steps (under investigation)",
+}
+OVER_BUDGET = {
+    "rnn": "LSTM/GRU run as opaque While loops whose TensorList buffers the planner "
+    "counts as 0 bytes",
+    "cnn_fp16": "measured peak above prediction under mixed_float16 (under investigation)",
+    "mobilenetv2": "measured peak 2-6 MiB above prediction on steps 2-3",
+    "efficientnetb0": "measured peak above prediction",
+}
+CLOSE_ATOL = {"transformer": 1e-5, "efficientnetb0": 1e-2}
+
+
+# -- the subprocess ------------------------------------------------------------------
+def _builders():
+    import keras
+
+    L = keras.layers
+
+    def transformer(seq=64, d=64, heads=4, blocks=2):
+        inp = keras.Input((seq, d))
+        h = inp
+        for _ in range(blocks):
+            a = L.MultiHeadAttention(heads, d // heads, dropout=0.1)(h, h)
+            h = L.LayerNormalization()(L.Add()([h, L.Dropout(0.1)(a)]))
+            f = L.Dense(4 * d, activation="gelu")(h)
+            f = L.Dense(d)(f)
+            h = L.LayerNormalization()(L.Add()([h, L.Dropout(0.1)(f)]))
+        return keras.Model(inp, L.Dense(10)(L.GlobalAveragePooling1D()(h)))
+
+    def rnn(seq=64, d=32):
+        inp = keras.Input((seq, d))
+        h = inp
+        for _ in range(3):
+            h = L.Dense(256, activation="relu")(h)
+        h = L.LSTM(32, return_sequences=True)(h)
+        for _ in range(3):
+            h = L.Dense(256, activation="relu")(h)
+        h = L.GRU(16)(h)
+        return keras.Model(inp, L.Dense(10)(h))
+
+    def cnn():
+        inp = keras.Input((32, 32, 3))
+        h = inp
+        for i in range(6):
+            r = L.Conv2D(32, 3, padding="same")(h)
+            r = L.BatchNormalization()(r)
+            r = L.ReLU()(r)
+            r = L.Dropout(0.2)(r)
+            h = r if i == 0 else L.Add()([h, r])
+        return keras.Model(inp, L.Dense(10)(L.GlobalAveragePooling2D()(h)))
+
+    def app(cls):
+        return lambda: getattr(keras.applications, cls)(
+            weights=None, input_shape=(32, 32, 3), classes=10
+        )
+
+    return {
+        "transformer": transformer,
+        "rnn": rnn,
+        "cnn_fp16": cnn,
+        "mobilenetv2": app("MobileNetV2"),
+        "efficientnetb0": app("EfficientNetB0"),
+        "vgg16": app("VGG16"),
+        "densenet121": app("DenseNet121"),
+        "resnet50": app("ResNet50"),
+    }
+
+
+def _check(name: str, fraction: float) -> dict:
+    import gc
+
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    import tfremat
+    import tfremat.keras
+
+    tf.config.experimental.enable_op_determinism()
+    batch, shape = MODELS[name]
+    build = _builders()[name]
+    rng = np.random.default_rng(0)
+    x = tf.constant(rng.standard_normal((batch,) + shape).astype("float32"))
+    y = tf.constant(rng.integers(0, 10, (batch,)).astype("int32"))
+
+    def make():
+        keras.utils.set_random_seed(0)
+        if name.endswith("fp16"):
+            keras.mixed_precision.set_global_policy("mixed_float16")
+        model = build()
+        model.compile(
+            optimizer=keras.optimizers.Adam(1e-3),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"],
+        )
+        return model
+
+    def train(model):
+        logs, peaks, times = [], [], []
+        for _ in range(STEPS):
+            tf.config.experimental.reset_memory_stats("CPU:0")
+            t0 = time.perf_counter()
+            logs.append(model.train_on_batch(x, y, return_dict=True))
+            times.append(time.perf_counter() - t0)
+            peaks.append(int(tf.config.experimental.get_memory_info("CPU:0")["peak"]))
+        state = [v.numpy() for v in model.variables] + [v.numpy() for v in model.optimizer.variables]
+        return logs, peaks, state, times
+
+    ref = make()
+    ref_logs, ref_peaks, ref_state, _ = train(ref)
+    del ref
+    gc.collect()
+    baseline = max(ref_peaks)
+
+    out = {"name": name, "batch": batch, "baseline_peaks": ref_peaks, "fraction": fraction}
+    model = make()
+    budget = fraction * baseline
+    tfremat.keras.remat(model, budget_gib=budget / 2**30)
+    try:
+        plan = tfremat.keras.get_plan(model, x, y)
+    except tfremat.InfeasibleBudgetError as e:
+        out["infeasible_at_fraction"] = True
+        out["min_feasible"] = e.min_feasible_bytes
+        budget = 1.1 * e.min_feasible_bytes
+        tfremat.keras.remat(model, budget_gib=budget / 2**30)
+        plan = tfremat.keras.get_plan(model, x, y)
+    logs, peaks, state, _ = train(model)
+    diffs = [
+        float(np.max(np.abs(a.astype("float64") - b.astype("float64")))) if a.size else 0.0
+        for a, b in zip(ref_state, state)
+    ]
+    out.update(
+        budget=budget,
+        predicted=plan.predicted_peak_bytes,
+        predicted_baseline=plan.baseline_peak_bytes,
+        peaks=peaks,
+        recomputed=len(plan.recomputed),
+        logs_equal=logs == ref_logs,
+        n_variables=len(state),
+        n_unequal=sum(d != 0 for d in diffs) + sum(a.dtype != b.dtype for a, b in zip(ref_state, state)),
+        max_abs_diff=max(diffs, default=0.0),
+        losses=[float(l["loss"]) for l in logs],
+        ref_losses=[float(l["loss"]) for l in ref_logs],
+    )
+    return out
+
+
+# -- pytest ----------------------------------------------------------------------------
+def _selected():
+    if os.environ.get("TFREMAT_MODELS", "") == "all":
+        return list(MODELS)
+    return [m for m in MODELS if m not in LARGE]
+
+
+@functools.lru_cache(maxsize=None)
+def _result(name: str) -> dict:
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    proc = subprocess.run(
+        [sys.executable, __file__, name, str(FRACTION)],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        env=env,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise AssertionError(f"{name} failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
+    if os.environ.get("TFREMAT_MODELS_JSON"):  # collect the measurements
+        with open(os.environ["TFREMAT_MODELS_JSON"], "a") as f:
+            f.write(lines[-1] + "\n")
+    return json.loads(lines[-1])
+
+
+def _marks(name, known):
+    return [pytest.mark.xfail(reason=known[name], strict=False)] if name in known else []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "name", [pytest.param(m, marks=_marks(m, NOT_BITWISE)) for m in _selected()]
+)
+def test_bitwise_equal_to_keras(name):
+    pytest.importorskip("tensorflow")
+    r = _result(name)
+    assert r["recomputed"] > 0, "the plan recomputes nothing: the test would prove nothing"
+    assert r["logs_equal"], (r["losses"], r["ref_losses"])
+    assert r["n_unequal"] == 0, f"{r['n_unequal']}/{r['n_variables']} variables differ, max {r['max_abs_diff']}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [m for m in _selected() if m in CLOSE_ATOL])
+def test_close_to_keras_where_not_bitwise(name):
+    pytest.importorskip("tensorflow")
+    r = _result(name)
+    assert r["max_abs_diff"] <= CLOSE_ATOL[name], r["max_abs_diff"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "name", [pytest.param(m, marks=_marks(m, OVER_BUDGET)) for m in _selected()]
+)
+def test_measured_peak_under_budget(name):
+    pytest.importorskip("tensorflow")
+    r = _result(name)
+    assert max(r["peaks"]) <= r["budget"], (
+        f"measured {max(r['peaks']) / 2**20:.1f} MiB > budget {r['budget'] / 2**20:.1f} MiB "
+        f"(predicted {r['predicted'] / 2**20:.1f} MiB)"
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", _selected())
+def test_budget_at_sixty_percent_of_baseline(name):
+    pytest.importorskip("tensorflow")
+    r = _result(name)
+    if r.get("infeasible_at_fraction"):
+        pytest.xfail(
+            f"the solver's smallest budget is {r['min_feasible'] / max(r['baseline_peaks']):.2f}x "
+            "the measured baseline; tested at that budget + 10 % instead"
+        )
+    assert r["budget"] <= FRACTION * max(r["baseline_peaks"]) + 1
+
+
+if __name__ == "__main__":
+    print(json.dumps(_check(sys.argv[1], float(sys.argv[2]) if len(sys.argv) > 2 else FRACTION)))
