@@ -159,7 +159,17 @@ def auto_solver(problem: Problem) -> Plan:
         if polished is not None and polished.cost < best[0]:
             best = (polished.cost, list(polished.schedule))
     if best is None:
-        mf, sched = min_feasible_budget(problem, planner, deadline=time.perf_counter() + limit)
+        # Belady reaches the lowest budgets on the Checkmate graphs, the cost-aware
+        # rule on random DAGs (1.77 vs 2.31 x the lower bound on n100): try both.
+        # Evicting forward values only goes lower where there is a backward phase.
+        stop = time.perf_counter() + limit
+        mf, sched = min_feasible_budget(problem, planner, deadline=stop)
+        fwd_planner = EvictionPlanner(g, problem.order, forward_only=True)
+        for pl, score in ((planner, "cost_bytes_dist"), (fwd_planner, "belady"),
+                          (fwd_planner, "cost_bytes_dist")):
+            mf2, sched2 = min_feasible_budget(problem, pl, score=score, deadline=stop)
+            if mf2 < mf:
+                mf, sched = mf2, sched2
         if mf <= budget:  # the bisection found a plan after all
             return make_plan(problem, sched, "auto", "heuristic", cost_lower_bound=ref.cost,
                              solve_s=time.perf_counter() - t0)
