@@ -45,6 +45,7 @@ from ..errors import InfeasibleBudgetError, SolverUnavailableError
 from ..plan import Plan, Problem
 from ..simulate import reference_simulation, simulate, single_op_lower_bound
 from .common import make_plan
+from .isolate import call_isolated, tensorflow_loaded
 
 __all__ = ["exact_solver", "make_exact_solver"]
 
@@ -162,9 +163,16 @@ def cpsat_plan(problem: Problem, hint: Plan | None, hint_error=None, max_computa
     InfeasibleBudgetError
         When the search finds no plan and there is no hint to fall back on.
     """
-    cp_model = _import_cp_model()
     t0 = time.perf_counter() if t0 is None else t0
     limit = problem.time_limit_s or DEFAULT_TIME_LIMIT_S if limit is None else limit
+    if tensorflow_loaded():
+        # CP-SAT segfaults in a process that imported TensorFlow first (isolate.py).
+        left = max(0.1, limit - (time.perf_counter() - t0))
+        return call_isolated(
+            cpsat_plan, problem, hint, hint_error, max_computations, workers, name,
+            None, left, keep_order, timeout=left + 120,
+        )
+    cp_model = _import_cp_model()
     g, fixed, budget = problem.graph, problem.fixed_bytes, problem.budget_bytes
     ref = reference_simulation(g, fixed)
     lb_peak = single_op_lower_bound(g, fixed)
