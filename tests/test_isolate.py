@@ -1,0 +1,48 @@
+"""CP-SAT with TensorFlow loaded: solved in a child process (it segfaults in-process)."""
+
+from __future__ import annotations
+
+import networkx as nx
+import pytest
+
+pytest.importorskip("ortools")
+pytest.importorskip("tensorflow")
+
+import tfremat  # noqa: E402
+from tfremat.simulate import reference_simulation, simulate  # noqa: E402
+from tfremat.solvers.isolate import tensorflow_loaded  # noqa: E402
+
+
+def training_chain(n=6):
+    g = nx.DiGraph()
+    fwd = [f"f{i}" for i in range(n)]
+    bwd = [f"b{i}" for i in reversed(range(n))]
+    for v in fwd:
+        g.add_node(v, bytes=10, cost=1, phase="forward")
+    for v in bwd:
+        g.add_node(v, bytes=10, cost=1, phase="backward")
+    for a, b in zip(fwd, fwd[1:]):
+        g.add_edge(a, b)
+    g.add_edge(fwd[-1], bwd[0])
+    for a, b in zip(bwd, bwd[1:]):
+        g.add_edge(a, b)
+    for i in range(n - 1):
+        g.add_edge(f"f{i}", f"b{i + 1}")
+    g.graph["order"] = fwd + bwd
+    return g
+
+
+def test_exact_solver_works_after_tensorflow_import():
+    assert tensorflow_loaded()
+    g = training_chain()
+    ref = reference_simulation(g)
+    problem = tfremat.Problem(g, int(0.75 * ref.peak_bytes), time_limit_s=5)
+    plan = tfremat.solve(problem, "exact")
+    assert plan.recomputed
+    assert simulate(g, plan.schedule).peak_bytes <= problem.budget_bytes
+
+
+def test_isolated_solver_errors_come_back_typed():
+    g = training_chain()
+    with pytest.raises(tfremat.InfeasibleBudgetError):
+        tfremat.solve(tfremat.Problem(g, 15, time_limit_s=2), "exact")
