@@ -110,6 +110,10 @@ def cmd_run(args):
                       flush=True)
         # Smallest budget the default meets: ask for the lower bound itself; the
         # error (if any) carries the smallest budget auto found.
+        if args.solvers and out.exists():  # keep the other solvers' rows
+            old = json.loads(out.read_text())
+            keep = [r for r in old["rows"] if r["solver"] not in solvers]
+            res["rows"] = keep + res["rows"]
         res["auto_min_budget"] = auto_min_budget(g, lb)
         print(f"{path.name[:28]:28s} auto min budget {res['auto_min_budget'] / lb:.3f} x lower bound",
               flush=True)
@@ -179,8 +183,13 @@ def cmd_report(args):
                 ratio = ""
             else:
                 aex = f"{a['cost'] - d['ref_cost']:.6g}"
-                ratio = (f"{(a['cost'] - d['ref_cost']) / best:.3f}" if best else
-                         ("1.000" if best == 0 and a["cost"] == d["ref_cost"] else "—"))
+                aextra = a["cost"] - d["ref_cost"]
+                if best is None:
+                    ratio = "—"
+                elif best > 0:
+                    ratio = f"{aextra / best:.3f}"
+                else:  # the best known plan recomputes nothing
+                    ratio = "1.000" if aextra == 0 else "∞"
             print(f"| {d['graph'][:26]} | {f} | {'yes' if feasible_lb else 'no'} | {aex} | "
                   f"{'' if best is None else f'{best:.6g}'} | {ratio} | "
                   f"{'' if not base else f'{min(base):.6g}'} | {a['solve_s']:.1f} | {a['status']} |")

@@ -26,7 +26,7 @@ from ..plan import Plan, Problem
 from ..simulate import reference_simulation, single_op_lower_bound
 from .baselines import articulation_candidates, greedy_sweep, linear_candidates
 from .common import make_plan
-from .evict import VARIANTS, EvictionPlanner, evict_plan, memory_greedy_order, min_feasible_budget
+from .evict import VARIANTS, EvictionPlanner, evict_plan, low_peak_order, min_feasible_budget
 from .segments import segments_solver
 
 __all__ = ["auto_solver"]
@@ -34,6 +34,7 @@ __all__ = ["auto_solver"]
 DEFAULT_TIME_LIMIT_S = 9.0  # the 10 s per-solve target, with a margin
 RESTART_S = 5.0
 RESTART_FIXED_ORDER_S = 1.5
+REORDER_S = 3.0  # randomized list scheduling, fully recomputable graphs only
 POLISH_S = 4.0  # time kept back for the CP-SAT polish
 #: Above this many nodes (op-level traces) only the three best eviction variants
 #: run and random restarts are skipped, to stay within a few seconds.
@@ -115,17 +116,6 @@ def auto_solver(problem: Problem) -> Plan:
             if best is None or plan.cost < best[0]:
                 best = (plan.cost, list(plan.schedule))
 
-    for cands in (articulation_candidates(g), linear_candidates(g)):
-        plan, low = greedy_sweep(problem, cands, "auto")
-        lowest = min(lowest, low)
-        offer(plan)
-    try:
-        offer(segments_solver(dataclasses.replace(problem, time_limit_s=max(0.1, limit / 3))))
-    except InfeasibleBudgetError as e:
-        lowest = min(lowest, e.min_feasible_bytes)
-    planner = EvictionPlanner(g, problem.order)
-    # Random restarts get what time is left, but at most a few seconds past the
-    # deterministic variants: their gains flatten quickly (docs/solvers.md).
     n = g.number_of_nodes()
     big = n > LARGE_GRAPH
     # Op-level traces (some op must run exactly once) are planned inside a user's
@@ -134,6 +124,26 @@ def auto_solver(problem: Problem) -> Plan:
     reorder = _may_reorder(g)
     polish = reorder and n <= POLISH_MAX_NODES
     restart_s = RESTART_S if reorder else RESTART_FIXED_ORDER_S
+    if reorder and not big:
+        # Every node once is the least compute: an order that fits is optimal.
+        order0, peak0 = low_peak_order(problem, time.perf_counter() + REORDER_S)
+        if peak0 <= budget:
+            return make_plan(problem, order0, "auto", "optimal", cost_lower_bound=ref.cost,
+                             solve_s=time.perf_counter() - t0)
+    # Each checkpoint candidate costs a schedule build and a simulation (~0.1 s at
+    # 5,000 ops): sweep fewer thresholds on big graphs, where eviction planning wins.
+    for cands in (articulation_candidates(g), linear_candidates(g)):
+        plan, low = greedy_sweep(problem, cands, "auto", n_thresholds=12 if big else 64)
+        lowest = min(lowest, low)
+        offer(plan)
+    if not big:
+        try:
+            offer(segments_solver(dataclasses.replace(problem, time_limit_s=max(0.1, limit / 3))))
+        except InfeasibleBudgetError as e:
+            lowest = min(lowest, e.min_feasible_bytes)
+    planner = EvictionPlanner(g, problem.order)
+    # Random restarts get what time is left, but at most a few seconds past the
+    # deterministic variants: their gains flatten quickly (docs/solvers.md).
     best, low = evict_plan(
         problem,
         variants=VARIANTS[:3] if big else VARIANTS,
@@ -148,8 +158,8 @@ def auto_solver(problem: Problem) -> Plan:
     if not big and reorder:
         # Graphs whose ops may all be reordered (no op must run exactly once, as
         # stateful or non-recomputable TF ops must, in reference order): also plan on
-        # a memory-greedy order.
-        alt = dataclasses.replace(problem, graph=_with_order(g, memory_greedy_order(g, problem.order)))
+        # a low-peak order (randomized memory-greedy list scheduling).
+        alt = dataclasses.replace(problem, graph=_with_order(g, order0))
         best, low = evict_plan(alt, variants=VARIANTS[:2], best=best, restarts=False,
                                deadline=max(deadline, time.perf_counter() + 1.0))
         if low is not None:
