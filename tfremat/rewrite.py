@@ -42,6 +42,10 @@ _NO_ORDERING_EDGES = frozenset(
         "Slice", "Abs", "Sign", "Identity", "IdentityN",
     }
 )
+# Ops Grappler fuses with a sibling (an op reading the same tensor): oneDNN's remapper
+# fuses Conv2DBackpropFilter with the BiasAddGrad of the same gradient. An ordering
+# edge between either and a sibling blocked the fusion and changed the conv bias.
+_FUSED_WITH_SIBLING = frozenset({"BiasAddGrad", "Conv2DBackpropFilter"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,12 +126,12 @@ def rewrite_graph_def(
         return {_split(i)[0] for i in originals[v].input if not i.startswith("^")}
 
     def siblings(u, v) -> bool:
-        """u or v is a BiasAddGrad and both read a common tensor: oneDNN's remapper
+        """u or v is in _FUSED_WITH_SIBLING and both read a common tensor: oneDNN's remapper
         fuses Conv2DBackpropFilter with the BiasAddGrad of the same gradient, and an
         ordering path between them (directly or through the Conv2DBackpropInput that
         reads it too) blocks the fusion: the conv bias then differed by ~1e-8 after
         one Adam step (random Keras conv models)."""
-        if "BiasAddGrad" not in (originals[u].op, originals[v].op):
+        if not {originals[u].op, originals[v].op} & _FUSED_WITH_SIBLING:
             return False
         return bool(data_inputs(u) & data_inputs(v) - consts)
 
