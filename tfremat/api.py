@@ -114,7 +114,8 @@ class RematFunction:
     def get_plan(self, *args, **kwargs) -> Plan:
         """The plan used for these arguments (traces and solves on first use).
 
-        ``budget_bytes`` is the budget you gave; the solver aimed ``headroom`` under it.
+        ``budget_bytes`` is the budget you gave; the solver aimed a margin under it
+        (``headroom`` of the budget, and at least the step's largest tensor).
 
         Raises
         ------
@@ -135,7 +136,8 @@ class RematFunction:
         entry = self._entry(args, kwargs)
         p, sg = entry.plan, entry.step_graph
         lines = [
-            f"budget {p.budget_bytes / GIB:.3f} GiB (solver aimed at {(1 - self.headroom) * p.budget_bytes / GIB:.3f} GiB)",
+            f"budget {p.budget_bytes / GIB:.3f} GiB (solver aimed at "
+            f"{(p.budget_bytes - self._margin(p.budget_bytes, sg.graph)) / GIB:.3f} GiB)",
             f"fixed (variables, arguments, constants): {sg.fixed_bytes / GIB:.3f} GiB",
             f"predicted peak without remat: {p.baseline_peak_bytes / GIB:.3f} GiB",
             f"predicted peak with plan:     {p.predicted_peak_bytes / GIB:.3f} GiB",
@@ -148,6 +150,18 @@ class RematFunction:
         return "\n".join(lines)
 
     # -- internals -------------------------------------------------------------
+    def _margin(self, budget_bytes: int, graph) -> int:
+        """Bytes the plan keeps free under the budget.
+
+        ``headroom`` of the budget for kernel scratch space and allocator rounding,
+        and at least the largest tensor of the step: where ordering edges would
+        change Grappler's float rewrites they are left out, and the executor was
+        then measured to run one activation-sized op early now and then (a
+        residual CNN: +4 MiB over the prediction on one call in four).
+        """
+        largest = max((graph.nodes[v]["bytes"] for v in graph.nodes), default=0)
+        return max(int(budget_bytes * self.headroom), int(largest) if self.headroom > 0 else 0)
+
     def _first_call(self, entry: _Entry, flat):
         """Run a new entry once; fall back to minimal ordering if Grappler finds a cycle.
 
@@ -228,17 +242,20 @@ class RematFunction:
         traced = trace(self._tf_function(), args, kwargs)
         sg = build_graph(traced.records, traced.arg_placeholders)
         fixed = max(sg.fixed_bytes, _allocator_current_bytes())
-        target = int(self.budget_bytes * (1 - self.headroom))
-        problem = Problem(sg.graph, target, fixed)
+        margin = self._margin(self.budget_bytes, sg.graph)
+        problem = Problem(sg.graph, self.budget_bytes - margin, fixed)
         try:
             plan = solve(problem, self.solver)
         except InfeasibleBudgetError as e:
-            need = math.ceil(e.min_feasible_bytes / (1 - self.headroom))
+            # The smallest budget whose target (budget - margin) the solver reaches.
+            need = e.min_feasible_bytes + self._margin(e.min_feasible_bytes, sg.graph)
+            need = max(need, math.ceil(e.min_feasible_bytes / (1 - self.headroom)))
             raise InfeasibleBudgetError(
                 self.budget_bytes,
                 need,
-                f"fixed memory {fixed / GIB:.3f} GiB; plans aim {100 * self.headroom:.0f} % "
-                "under the budget for kernel scratch space",
+                f"fixed memory {fixed / GIB:.3f} GiB; plans aim "
+                f"{self._margin(self.budget_bytes, sg.graph) / 2**20:.1f} MiB under the budget "
+                "(headroom for kernel scratch space and executor reordering)",
             ) from None
         plan = dataclasses.replace(plan, budget_bytes=self.budget_bytes)
         new_gd, info = rewrite_graph_def(
@@ -283,7 +300,10 @@ def remat(
     solver : str or callable
         A name in ``tfremat.SOLVERS`` or a callable ``Problem -> Plan``.
     headroom : float
-        Fraction of the budget left for kernel scratch space and allocator rounding.
+        Fraction of the budget left free for kernel scratch space and allocator
+        rounding; the plan also keeps at least the step's largest tensor free (the
+        executor may run one op out of the planned order). ``headroom=0`` plans to
+        the budget exactly.
     strict : bool
         Order the rewritten graph's ops as the plan's schedule (control edges), so
         the measured peak matches the predicted one. Turn off to give the executor
