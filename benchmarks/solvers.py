@@ -126,7 +126,7 @@ def cmd_report(args):
     if not files:
         print("no results: run `python benchmarks/solvers.py run` first")
         return
-    data = [json.loads(p.read_text()) for p in files]
+    data = [d for d in (json.loads(p.read_text()) for p in files) if "rows" in d]
     solvers = []
     for d in data:
         for r in d["rows"]:
