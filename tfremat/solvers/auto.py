@@ -26,7 +26,7 @@ from ..plan import Plan, Problem
 from ..simulate import reference_simulation, single_op_lower_bound
 from .baselines import articulation_candidates, greedy_sweep, linear_candidates
 from .common import make_plan
-from .evict import VARIANTS, EvictionPlanner, evict_plan, low_peak_order, min_feasible_budget
+from .evict import KEEP_SOURCE_VARIANTS, VARIANTS, EvictionPlanner, evict_plan, low_peak_order, min_feasible_budget
 from .segments import segments_solver
 
 __all__ = ["auto_solver"]
@@ -153,7 +153,7 @@ def auto_solver(problem: Problem) -> Plan:
     # deterministic variants: their gains flatten quickly (docs/solvers.md).
     best, low = evict_plan(
         problem,
-        variants=VARIANTS[:3] if big else VARIANTS,
+        variants=VARIANTS[:3] if big else VARIANTS + (KEEP_SOURCE_VARIANTS if order0 is not None else ()),
         deadline=min(deadline - (POLISH_S if polish else 0.0),
                      time.perf_counter() + (1.0 if big else restart_s)),
         planner=planner,
@@ -167,7 +167,8 @@ def auto_solver(problem: Problem) -> Plan:
         # stateful or non-recomputable TF ops must, in reference order): also plan on
         # a low-peak order (randomized memory-greedy list scheduling).
         alt = dataclasses.replace(problem, graph=_with_order(g, order0))
-        best, low = evict_plan(alt, variants=VARIANTS[:2], best=best, restarts=False,
+        best, low = evict_plan(alt, variants=VARIANTS[:2] + KEEP_SOURCE_VARIANTS, best=best,
+                               restarts=False,
                                deadline=max(deadline, time.perf_counter() + 1.0))
         if low is not None:
             lowest = min(lowest, low)
