@@ -1,0 +1,251 @@
+"""Real Keras models: peak, prediction, step time, and the largest batch under a cap.
+
+    python benchmarks/models.py --models cnn transformer mobilenetv2 \
+        --cap-models cnn transformer --cap-mb 256 --out docs/models-benchmark.md
+
+Part 1, per model (fresh process each, CPU, op determinism, Adam): batch, Keras'
+measured baseline peak, the budget (60 % of it, or the solver's minimum + 10 % when 60 %
+is infeasible), tfremat's predicted and measured peak, and the step-time ratio (median
+of steps 2-5, rewritten / original, in one run).
+
+Part 2, per model in ``--cap-models``: the largest batch that trains 2 steps under a hard
+CPU allocator cap (``TF_CPU_ALLOCATOR_USE_BFC=true TF_CPU_BFC_MEM_LIMIT_IN_MB=N
+TF_ENABLE_ONEDNN_OPTS=0``; with oneDNN on an OOM under the cap can segfault instead of
+raising) for: Keras' own step, ``keras.RematScope`` in modes ``full`` and
+``activations`` (best reported), and tfremat with a budget of 90 % of the cap.
+``tf.recompute_grad`` per block is not run: these models are Keras functional graphs
+whose blocks are not separate callables (RematScope is Keras' per-layer equivalent).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+SHAPES = {
+    "cnn": (64, (32, 32, 3)),
+    "transformer": (32, (64, 64)),
+    "rnn": (64, (64, 32)),
+    "cnn_fp16": (64, (32, 32, 3)),
+    "mobilenetv2": (64, (32, 32, 3)),
+    "efficientnetb0": (64, (32, 32, 3)),
+    "vgg16": (32, (32, 32, 3)),
+    "densenet121": (32, (32, 32, 3)),
+    "resnet50": (32, (32, 32, 3)),
+}
+
+
+def _setup():
+    import keras
+    import tensorflow as tf
+
+    tf.config.experimental.enable_op_determinism()
+    return keras, tf
+
+
+def _make(name, scope_mode=None):
+    keras, _ = _setup()
+    from test_models import _builders  # the same models the tests check
+
+    builders = _builders()
+    builders["cnn"] = builders["cnn_fp16"]
+    keras.utils.set_random_seed(0)
+    if name.endswith("fp16"):
+        keras.mixed_precision.set_global_policy("mixed_float16")
+    if scope_mode:
+        with keras.RematScope(mode=scope_mode):
+            model = builders[name]()
+    else:
+        model = builders[name]()
+    model.compile(
+        optimizer=keras.optimizers.Adam(1e-3),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    return model
+
+
+def _data(name, batch):
+    import numpy as np
+    import tensorflow as tf
+
+    shape = SHAPES[name][1]
+    rng = np.random.default_rng(0)
+    x = tf.constant(rng.standard_normal((batch,) + shape).astype("float32"))
+    y = tf.constant(rng.integers(0, 10, (batch,)).astype("int32"))
+    return x, y
+
+
+def worker_table(name: str, fraction: float = 0.6, steps: int = 5) -> dict:
+    import gc
+
+    keras, tf = _setup()
+    import tfremat
+    import tfremat.keras
+
+    batch = SHAPES[name][0]
+    x, y = _data(name, batch)
+
+    def train(model):
+        peaks, times = [], []
+        for _ in range(steps):
+            tf.config.experimental.reset_memory_stats("CPU:0")
+            t0 = time.perf_counter()
+            model.train_on_batch(x, y)
+            times.append(time.perf_counter() - t0)
+            peaks.append(int(tf.config.experimental.get_memory_info("CPU:0")["peak"]))
+        return peaks, statistics.median(times[1:])
+
+    ref = _make(name)
+    ref_peaks, ref_t = train(ref)
+    del ref
+    gc.collect()
+    baseline = max(ref_peaks)
+    model = _make(name)
+    budget = fraction * baseline
+    tfremat.keras.remat(model, budget_gib=budget / 2**30)
+    at_fraction = True
+    try:
+        plan = tfremat.keras.get_plan(model, x, y)
+    except tfremat.InfeasibleBudgetError as e:
+        at_fraction = False
+        budget = 1.1 * e.min_feasible_bytes
+        tfremat.keras.remat(model, budget_gib=budget / 2**30)
+        plan = tfremat.keras.get_plan(model, x, y)
+    peaks, t = train(model)
+    return dict(
+        name=name, batch=batch, baseline=baseline, budget=budget, at_fraction=at_fraction,
+        predicted=plan.predicted_peak_bytes, measured=max(peaks), measured_min=min(peaks),
+        ratio=t / ref_t, recomputed=len(plan.recomputed),
+    )
+
+
+def worker_probe(name: str, method: str, batch: int, cap_mb: int) -> None:
+    """Exit 0 if two train steps run under the cap, 3 on OOM / infeasible budget."""
+    keras, tf = _setup()
+    import tfremat
+    import tfremat.keras
+
+    x, y = _data(name, batch)
+    try:
+        if method.startswith("rematscope:"):
+            model = _make(name, scope_mode=method.split(":", 1)[1])
+        else:
+            model = _make(name)
+        if method == "tfremat":
+            tfremat.keras.remat(model, budget_gib=0.9 * cap_mb / 1024)
+        for _ in range(2):
+            model.train_on_batch(x, y)
+    except (tf.errors.ResourceExhaustedError, tfremat.InfeasibleBudgetError, MemoryError):
+        sys.exit(3)
+
+
+def probe(name, method, batch, cap_mb) -> bool:
+    env = dict(
+        os.environ,
+        TF_CPP_MIN_LOG_LEVEL="3",
+        TF_CPU_ALLOCATOR_USE_BFC="true",
+        TF_CPU_BFC_MEM_LIMIT_IN_MB=str(cap_mb),
+        TF_ENABLE_ONEDNN_OPTS="0",
+    )
+    try:
+        r = subprocess.run(
+            [sys.executable, __file__, "--probe", name, method, str(batch), str(cap_mb)],
+            env=env, capture_output=True, text=True, timeout=900,
+        )
+    except subprocess.TimeoutExpired:
+        return False
+    return r.returncode == 0
+
+
+def largest_batch(name, method, cap_mb, step=8, start=16, limit=4096) -> int:
+    ok, bad = 0, None
+    b = start
+    while b <= limit and probe(name, method, b, cap_mb):
+        ok, b = b, b * 2
+    bad = b
+    while bad - ok > step:
+        mid = (ok + bad) // 2 // step * step
+        if mid <= ok:
+            break
+        if probe(name, method, mid, cap_mb):
+            ok = mid
+        else:
+            bad = mid
+    return ok
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="*", default=["cnn", "transformer", "mobilenetv2"])
+    ap.add_argument("--cap-models", nargs="*", default=["cnn", "transformer"])
+    ap.add_argument("--cap-mb", type=int, default=256)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--probe", nargs=4, help=argparse.SUPPRESS)
+    ap.add_argument("--table-worker", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.probe:
+        name, method, batch, cap = a.probe
+        worker_probe(name, method, int(batch), int(cap))
+        return
+    if a.table_worker:
+        print(json.dumps(worker_table(a.table_worker)))
+        return
+
+    mib = 2**20
+    lines = [
+        "# Real Keras models: measured (CPU, 2 cores)",
+        "",
+        "Command: `python benchmarks/models.py " + " ".join(sys.argv[1:]) + "`",
+        "",
+        "| model | batch | baseline peak MiB | budget MiB | predicted MiB | measured MiB | measured <= budget | step-time ratio | recomputed ops |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name in a.models:
+        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+        r = subprocess.run([sys.executable, __file__, "--table-worker", name], env=env, capture_output=True, text=True)
+        rows = [l for l in r.stdout.splitlines() if l.startswith("{")]
+        if not rows:
+            lines.append(f"| {name} | failed: {r.stderr.strip().splitlines()[-1] if r.stderr.strip() else r.returncode} |")
+            print(lines[-1], flush=True)
+            continue
+        d = json.loads(rows[-1])
+        budget_note = "60 %" if d["at_fraction"] else "min+10 %"
+        lines.append(
+            f"| {name} | {d['batch']} | {d['baseline'] / mib:.1f} | {d['budget'] / mib:.1f} ({budget_note}) | "
+            f"{d['predicted'] / mib:.1f} | {d['measured'] / mib:.1f} | {'yes' if d['measured'] <= d['budget'] else 'NO'} | "
+            f"{d['ratio']:.2f} | {d['recomputed']} |"
+        )
+        print(lines[-1], flush=True)
+    if a.cap_models:
+        lines += [
+            "",
+            f"Largest batch (multiple of 8) that trains 2 steps under a {a.cap_mb} MiB CPU allocator cap:",
+            "",
+            "| model | no remat | RematScope full | RematScope activations | tfremat (budget 0.9 x cap) | tfremat / no remat |",
+            "|---|---|---|---|---|---|",
+        ]
+        for name in a.cap_models:
+            res = {m: largest_batch(name, m, a.cap_mb) for m in ("none", "rematscope:full", "rematscope:activations", "tfremat")}
+            ratio = res["tfremat"] / res["none"] if res["none"] else float("inf")
+            lines.append(
+                f"| {name} | {res['none']} | {res['rematscope:full']} | {res['rematscope:activations']} | {res['tfremat']} | {ratio:.2f} |"
+            )
+            print(lines[-1], flush=True)
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if a.out:
+        Path(a.out).write_text(text)
+
+
+if __name__ == "__main__":
+    main()
