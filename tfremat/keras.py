@@ -5,7 +5,7 @@ rewritten by :func:`tfremat.remat` (one plan per input signature: batch shape an
 dtypes), computing exactly what Keras' own step computes. ``evaluate`` and
 ``predict`` are untouched (they keep no activations for a backward pass).
 
-How it hooks in (the one place tfremat touches Keras internals): Keras 3's
+How it hooks in (the one Keras internal the training path relies on): Keras 3's
 TensorFlow trainer builds ``model.train_function`` in ``model.make_train_function()``,
 which ``fit`` and ``train_on_batch`` call before each use, and ``compile()`` resets
 ``model.train_function`` to None. tfremat sets an instance attribute
@@ -212,7 +212,10 @@ def _step_for(model) -> RematFunction:
 
 
 def _batch(model, x, y=None, sample_weight=None):
-    model._maybe_symbolic_build(data_batch=(x, y, sample_weight))  # as train_on_batch does
+    # Private Keras hook, used only by get_plan/explain: train_on_batch calls it to
+    # build the model, its metrics and optimizer variables before the first trace.
+    # Without it, planning before any training would trace an unbuilt model.
+    model._maybe_symbolic_build(data_batch=(x, y, sample_weight))
     return _to_tensors((x, y, sample_weight))
 
 
