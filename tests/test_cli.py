@@ -104,3 +104,16 @@ def test_shared_graph_round_trip(tmp_path):
     sim = simulate(g, res["schedule"])
     assert sim.peak_bytes == res["peak"] <= res["budget"]
     assert sim.cost == res["cost"]
+
+
+def test_solver_errors_are_reported_not_raised(tmp_path, capsys, monkeypatch):
+    from tfremat import SolverUnavailableError
+    from tfremat.solvers import exact as exact_mod
+
+    def missing():
+        raise SolverUnavailableError("solver 'exact' needs OR-Tools: pip install 'tfremat[exact]'")
+
+    monkeypatch.setattr(exact_mod, "_import_cp_model", missing)
+    gpath = write_graph(tmp_path / "g.json")
+    assert main(["solve", str(gpath), "--budget-fraction", "0.8", "--solver", "exact"]) == 2
+    assert "pip install" in capsys.readouterr().err

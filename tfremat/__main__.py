@@ -47,7 +47,7 @@ class _Progress:
 
 
 def _cmd_solve(args: argparse.Namespace) -> int:
-    from .errors import InfeasibleBudgetError
+    from .errors import InfeasibleBudgetError, RematError
     from .io import load_graph
     from .plan import Problem
     from .simulate import reference_simulation, simulate, single_op_lower_bound
@@ -88,6 +88,9 @@ def _cmd_solve(args: argparse.Namespace) -> int:
         print(f"infeasible: {e}", file=sys.stderr)
         _write_json(args.json, out)
         return EXIT_INFEASIBLE
+    except RematError as e:  # e.g. SolverUnavailableError: the message says what to install
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     # The README's accounting, recomputed here from the schedule alone.
     sim = simulate(g, plan.schedule)
     lower = plan.cost_lower_bound if plan.cost_lower_bound is not None else ref.cost
