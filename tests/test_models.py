@@ -44,16 +44,23 @@ NOT_BITWISE = {
     "transformer": "Grappler's arithmetic optimizer skips ops that have or drive a control "
     "dependency; ordering edges and recompute gates touch GELU-gradient Mul/Square ops, so "
     "a rewrite that runs in Keras' step does not run here (~1e-6 after 3 steps)",
-    "efficientnetb0": "differs by up to ~1e-3 after 3 Adam steps (under investigation)",
+    "resnet50": "nothing is recomputed (smallest feasible budget 1.52x the measured baseline), "
+    "yet the step-1 loss differs in the 6th digit and training diverges over 3 steps: "
+    "probably an ordering edge blocks a oneDNN conv fusion in the forward (not yet bisected)",
+    "vgg16": "at 32x32 inputs weights and Adam slots dominate and the planner over-predicts "
+    "the update phase (smallest feasible budget 1.36x the measured baseline): nothing is "
+    "recomputed, so the test has nothing to check",
 }
 OVER_BUDGET = {
     "rnn": "LSTM/GRU run as opaque While loops whose TensorList buffers the planner "
     "counts as 0 bytes",
     "cnn_fp16": "measured peak above prediction under mixed_float16 (under investigation)",
     "mobilenetv2": "measured peak 2-6 MiB above prediction on steps 2-3",
-    "efficientnetb0": "measured peak above prediction",
+    "efficientnetb0": "measured peak ~20 % above prediction (148 MiB vs 124 budget)",
+    "densenet121": "measured 140 MiB vs a 136 MiB budget (predicted 129)",
+    "resnet50": "measured 709 MiB vs a 618 MiB budget (predicted 556)",
 }
-CLOSE_ATOL = {"transformer": 1e-5, "efficientnetb0": 1e-2}
+CLOSE_ATOL = {"transformer": 1e-5}
 
 
 # -- the subprocess ------------------------------------------------------------------
