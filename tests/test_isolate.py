@@ -46,3 +46,13 @@ def test_isolated_solver_errors_come_back_typed():
     g = training_chain()
     with pytest.raises(tfremat.InfeasibleBudgetError):
         tfremat.solve(tfremat.Problem(g, 15, time_limit_s=2), "exact")
+
+
+def test_errors_survive_pickling():
+    import pickle
+
+    e = pickle.loads(pickle.dumps(tfremat.InfeasibleBudgetError(10, 20, "why")))
+    assert (e.budget_bytes, e.min_feasible_bytes) == (10, 20) and "why" in str(e)
+    u = pickle.loads(pickle.dumps(tfremat.UnknownShapeError("x:0", "(None, 3)")))
+    assert u.tensor_name == "x:0"
+    assert str(pickle.loads(pickle.dumps(tfremat.RematError("plain")))) == "plain"

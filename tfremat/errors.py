@@ -12,6 +12,12 @@ def _gib(n: int | float) -> str:
 class RematError(Exception):
     """Base class of every error tfremat raises on purpose."""
 
+    def __reduce__(self):
+        # Errors cross process boundaries (solvers/isolate.py): rebuild them from
+        # their constructor arguments, not from the formatted message.
+        args = getattr(self, "_init_args", self.args)
+        return (type(self), tuple(args))
+
 
 class UnsupportedGraphError(RematError):
     """The traced step contains something tfremat cannot rewrite safely."""
@@ -23,6 +29,7 @@ class UnknownShapeError(UnsupportedGraphError):
     def __init__(self, tensor_name: str, shape: object):
         self.tensor_name = tensor_name
         self.shape = shape
+        self._init_args = (tensor_name, shape)
         super().__init__(
             f"tensor {tensor_name!r} has shape {shape} with an unknown dimension, so its "
             "bytes cannot be planned. Call the step with fully defined shapes (e.g. a "
@@ -50,6 +57,7 @@ class InfeasibleBudgetError(RematError, ValueError):
     def __init__(self, budget_bytes: int, min_feasible_bytes: int, detail: str = ""):
         self.budget_bytes = int(budget_bytes)
         self.min_feasible_bytes = int(min_feasible_bytes)
+        self._init_args = (budget_bytes, min_feasible_bytes, detail)
         msg = (
             f"budget {_gib(budget_bytes)} ({budget_bytes} bytes) is too small: the "
             f"smallest budget this solver can meet is {_gib(min_feasible_bytes)} "
