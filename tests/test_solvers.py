@@ -6,15 +6,14 @@ import dataclasses
 
 import networkx as nx
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given
 
 import tfremat
 from tfremat import InfeasibleBudgetError, Problem, simulate, solve
 from tfremat.simulate import reference_simulation, single_op_lower_bound
 from tfremat.solvers import SOLVERS, get_solver
 
-from strategies import dags, problems, training_graphs
+from strategies import problems, training_graphs
 
 FAST = [name for name in SOLVERS if name != "exact"]
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 
 import networkx as nx
 import pytest

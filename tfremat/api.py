@@ -126,8 +126,6 @@ class RematFunction:
 
     def get_concrete_function(self, *args, **kwargs):
         """The rewritten ``tf.function``'s concrete function for these arguments."""
-        from .trace import flat_tensor_args
-
         entry = self._entry(args, kwargs)
         return entry.fn.get_concrete_function(*entry.traced.arg_specs)
 

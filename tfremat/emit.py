@@ -11,7 +11,7 @@ control outputs, as in the original.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
 
 from ._tf import import_tf
 from .trace import TracedStep
@@ -49,7 +49,3 @@ def emit(traced: TracedStep, graph_def, name: str = "remat") -> Any:
         return tf.nest.pack_sequence_as(structure, list(flat), expand_composites=True)
 
     return tf.function(body, input_signature=specs, autograph=False, reduce_retracing=False)
-
-
-def call_flat(fn, flat_args: Sequence[Any]):
-    return fn(*flat_args)

@@ -21,7 +21,6 @@ use of any recomputable value that might need them for a recomputation.
 
 from __future__ import annotations
 
-import bisect
 import time
 from typing import Hashable, Sequence
 

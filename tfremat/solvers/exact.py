@@ -39,7 +39,6 @@ import os
 import time
 from typing import Callable, Hashable, Sequence
 
-import numpy as np
 
 from ..errors import InfeasibleBudgetError, SolverUnavailableError
 from ..plan import Plan, Problem
@@ -115,7 +114,7 @@ def make_exact_solver(
             model); ``min_feasible_bytes`` comes from the warm-start solver or the
             single-op lower bound.
         """
-        cp_model = _import_cp_model()
+        _import_cp_model()  # fail fast, before the warm start, when OR-Tools is missing
         t0 = time.perf_counter()
         limit = problem.time_limit_s or DEFAULT_TIME_LIMIT_S
         g, fixed, budget = problem.graph, problem.fixed_bytes, problem.budget_bytes
