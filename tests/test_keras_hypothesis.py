@@ -106,3 +106,17 @@ def test_random_keras_models_bitwise_equal(spec, seed):
     assert logs == ref_logs
     for i, (a, b) in enumerate(zip(state(ref), state(model))):
         assert np.array_equal(a, b), f"variable {i} differs by {np.max(np.abs(a - b))}"
+
+
+@pytest.mark.xfail(
+    strict=False,
+    reason="known gap, found by this test's random search on a clean CI clone: a "
+    "conv+dense model with BatchNorm after a Dense layer, SGD, differs by ~5e-10 in one "
+    "variable (ordering edges change a Grappler float rewrite, as for the Transformer; "
+    "docs/keras.md)",
+)
+def test_known_gap_dense_batchnorm_bitwise():
+    test_random_keras_models_bitwise_equal.hypothesis.inner_test(
+        spec=([("conv", 4, 0, 0), ("conv", 4, 0, 0)], [("dense", 8), ("dense_bn", 8)], "sgd"),
+        seed=0,
+    )
