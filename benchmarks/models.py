@@ -31,17 +31,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-SHAPES = {
-    "cnn": (64, (32, 32, 3)),
-    "transformer": (32, (64, 64)),
-    "rnn": (64, (64, 32)),
-    "cnn_fp16": (64, (32, 32, 3)),
-    "mobilenetv2": (64, (32, 32, 3)),
-    "efficientnetb0": (64, (32, 32, 3)),
-    "vgg16": (32, (32, 32, 3)),
-    "densenet121": (32, (32, 32, 3)),
-    "resnet50": (32, (32, 32, 3)),
-}
+from test_models import MODELS  # noqa: E402  (name -> (batch, input shape), as the tests use)
+
+# "cnn" is the tests' cnn_fp16 model in float32 (see _make).
+SHAPES = {"cnn": MODELS["cnn_fp16"], **MODELS}
 
 
 def _setup():

@@ -19,20 +19,10 @@ from ..errors import InfeasibleBudgetError
 from ..plan import Plan, Problem
 from ..schedule import checkpoint_schedule, saved_activations
 from ..simulate import reference_simulation, simulate, single_op_lower_bound
+from .baselines import greedy_kept
 from .common import make_plan
 
 DEFAULT_TIME_LIMIT_S = 10.0
-
-
-def chen_greedy_kept(graph, candidates, threshold: float) -> set:
-    """Keep a candidate each time the bytes since the last kept one exceed ``threshold``."""
-    kept, acc = set(), 0
-    for v in candidates:
-        acc += graph.nodes[v]["bytes"]
-        if acc > threshold:
-            kept.add(v)
-            acc = 0
-    return kept
 
 
 def segments_solver(problem: Problem) -> Plan:
@@ -65,7 +55,7 @@ def segments_solver(problem: Problem) -> Plan:
     best = None  # (cost, peak, kept, schedule)
     lowest_peak = ref.peak_bytes
     for b in thresholds:
-        kept = set(cands) if b < 0 else chen_greedy_kept(g, cands, b)
+        kept = set(cands) if b < 0 else greedy_kept(g, cands, b)
         sched, sim = evaluate(kept)
         lowest_peak = min(lowest_peak, sim.peak_bytes)
         if sim.peak_bytes <= budget and (best is None or sim.cost < best[0]):
