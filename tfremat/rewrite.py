@@ -179,6 +179,25 @@ def rewrite_graph_def(
                 triggers.append(u)
         return triggers
 
+    def fused_later(u: str) -> bool:
+        """Whether ``u`` may be fused with a sibling the schedule has not run yet.
+
+        The fused node runs when the sibling does, so an op waiting on ``u`` may be an
+        ancestor of the fused node: a cycle (measured: a recomputed residual input of
+        a convolution waited on that convolution's BiasAddGrad, which oneDNN then
+        fused with the Conv2DBackpropFilter that reads the recomputed input).
+        """
+        src = originals.get(u)
+        if src is None or src.op not in _FUSED_WITH_SIBLING:
+            return False
+        for inp in src.input:
+            if inp.startswith("^"):
+                continue
+            for sib in data_consumers.get(_split(inp)[0], ()):
+                if sib != u and originals[sib].op in _FUSED_WITH_SIBLING and sib not in pos_of_original:
+                    return True
+        return False
+
     gates: dict = {}
     n_copies = n_rewired = 0
     chain_triggers: list[str] = []
@@ -239,14 +258,17 @@ def rewrite_graph_def(
                 n_rewired += 1
             node.input.append(bound + idx)
         latest[v] = node.name
-        if strict and k == 0 and phase(v) != "input":
+        # Copies are ordered too: a gate releases a whole recomputation chain at once,
+        # and independent branches of it (two BatchNorm blocks' statistics) ran
+        # interleaved, holding one activation more each (docs/design.md).
+        if strict and phase(v) != "input":
             data_srcs = {_split(i)[0] for i in node.input if not i.startswith("^")}
             if graph.nodes[v]["bytes"] >= min_bytes and src.op not in _FUSED_WITH_SIBLING:
                 # A big allocation waits for the previous big one and for every
                 # small op since then that reads a big tensor (and so frees it).
                 waits = pending_small + ([prev_serial] if prev_serial else [])
                 for u in waits:
-                    if u not in data_srcs:
+                    if u not in data_srcs and not fused_later(u):
                         node.input.append("^" + u)
                 pending_small = []
                 prev_serial = node.name
