@@ -71,6 +71,134 @@ def _tensor_info(t) -> TensorInfo:
     return TensorInfo(dims, dtype.name, int(n * size))
 
 
+_WHILE_OPS = frozenset({"While", "StatelessWhile"})
+_NEW_LIST_OPS = frozenset({"EmptyTensorList", "TensorListReserve"})
+_PASS_THROUGH = frozenset({"Identity", "StopGradient"})
+
+
+def _source(t):
+    while t.op.type in _PASS_THROUGH and t.op.inputs:
+        t = t.op.inputs[0]
+    return t
+
+
+def _trip_count(op) -> int | None:
+    """Iterations of a while loop, when the graph says so statically.
+
+    Keras' RNNs (and ``tf.while_loop`` over a sequence) unstack the sequence into a
+    TensorList (``TensorListFromTensor``) that the loop reads one element per step,
+    and ``while_v2`` passes ``maximum_iterations`` as the loop's second input.
+    """
+    tf = import_tf()
+    counts = []
+    for t in op.inputs:
+        src = _source(t)
+        if src.op.type == "TensorListFromTensor":
+            shape = src.op.inputs[0].shape
+            if shape.rank and shape[0] is not None:
+                counts.append(int(shape[0]))
+    if counts:
+        return max(counts)
+    if len(op.inputs) > 1:
+        v = tf.get_static_value(op.inputs[1])
+        if v is not None and int(v) > 0:
+            return int(v)
+    return None
+
+
+# Ops inside a loop body whose output shares a buffer that lives anyway: pushing it
+# onto an accumulator holds no new memory (ReadVariableOp aliases the variable). An
+# element read from the input sequence's list (TensorListGetItem) does count: the
+# accumulator keeps it alive until the gradient loop, after the list itself is gone.
+_ALIASING_IN_BODY = frozenset({"ReadVariableOp", "Const", "Identity"})
+
+
+def _pushes_fresh_tensor(body, index: int) -> bool:
+    """Whether the loop body pushes a newly computed tensor onto loop variable ``index``.
+
+    ``body`` is the loop body's FunctionDef (None when unavailable: then assume it
+    does, the conservative answer).
+    """
+    if body is None or index >= len(body.signature.input_arg):
+        return True
+    arg = body.signature.input_arg[index].name
+    nodes = {n.name: n for n in body.node_def}
+    pushed = [n.input[1] for n in body.node_def if n.op == "TensorListPushBack" and n.input and n.input[0] == arg]
+    if not pushed:
+        return True
+    ret = body.ret
+    out_args = [a.name for a in body.signature.output_arg]
+    invariant = {body.signature.input_arg[i].name for i, o in enumerate(out_args) if ret.get(o) == body.signature.input_arg[i].name}
+    for t in pushed:
+        name = t.split(":")[0]
+        while name in nodes and nodes[name].op == "Identity" and nodes[name].input:
+            name = nodes[name].input[0].split(":")[0]
+        if name in nodes:
+            if nodes[name].op not in _ALIASING_IN_BODY:
+                return True
+        elif name not in invariant:
+            return True  # a loop-carried state: a new tensor every iteration
+    return False
+
+
+def _list_bytes(op, index: int, functions: dict) -> int:
+    """Bytes a while loop's TensorList output ``index`` holds when the loop ends.
+
+    ``while_v2`` saves, for the gradient loop, every intermediate it needs in an
+    accumulator: an ``EmptyTensorList`` passed into the loop, one element pushed per
+    iteration, and returned as a loop output that lives until the gradient loop pops
+    it (an LSTM's gates and states: most of its activations). An accumulator of a
+    tensor that aliases one the step holds anyway (a variable read) holds no new
+    memory. A list created with
+    ``TensorListReserve`` holds ``num_elements`` elements. Lists whose size the graph
+    does not give statically count as 0 bytes (a documented limit).
+    """
+    tf = import_tf()
+    if index >= len(op.inputs):
+        return 0
+    src = _source(op.inputs[index])
+    if src.op.type not in _NEW_LIST_OPS:
+        return 0
+    shape = tf.get_static_value(src.op.inputs[0])
+    if shape is None:
+        return 0
+    dims = [int(d) for d in shape.reshape(-1).tolist()]
+    if shape.ndim == 0 or any(d < 0 for d in dims):
+        return 0  # unknown element shape (-1 or a -1 dimension)
+    if src.op.type == "TensorListReserve":
+        v = tf.get_static_value(src.op.inputs[1])
+        n = int(v) if v is not None and int(v) >= 0 else None
+    else:
+        try:
+            body = functions.get(op.get_attr("body").name)
+        except (ValueError, AttributeError):
+            body = None
+        if not _pushes_fresh_tensor(body, index):
+            return 0
+        n = _trip_count(op)
+    if not n:
+        return 0
+    elems = 1
+    for d in dims:
+        elems *= d
+    return int(elems * tf.as_dtype(src.op.get_attr("element_dtype")).size * n)
+
+
+def _output_infos(op, functions: dict) -> tuple[TensorInfo, ...]:
+    tf = import_tf()
+    infos = []
+    for i, t in enumerate(op.outputs):
+        info = _tensor_info(t)
+        if t.dtype == tf.variant:
+            if op.type in _WHILE_OPS:
+                info = TensorInfo((), info.dtype, _list_bytes(op, i, functions))
+            elif op.type == "TensorListFromTensor":
+                # A copy of the tensor, one element per row.
+                info = TensorInfo((), info.dtype, _tensor_info(op.inputs[0]).bytes)
+        infos.append(info)
+    return tuple(infos)
+
+
 def trace(fn, args: tuple, kwargs: dict | None = None) -> TracedStep:
     """Trace ``fn`` on example arguments into a :class:`TracedStep`.
 
@@ -95,6 +223,8 @@ def trace(fn, args: tuple, kwargs: dict | None = None) -> TracedStep:
             "a tf.Variable is passed as an argument of the step; capture it from the "
             "enclosing scope instead (use it inside the function without passing it)"
         )
+    graph_def = graph.as_graph_def()
+    functions = {f.signature.name: f for f in graph_def.library.function}
     records = []
     for op in graph.get_operations():
         calls_function = any(
@@ -108,7 +238,7 @@ def trace(fn, args: tuple, kwargs: dict | None = None) -> TracedStep:
                 op_type=op.type,
                 inputs=tuple(t.name for t in op.inputs),
                 control_inputs=tuple(c.name for c in op.control_inputs),
-                outputs=tuple(_tensor_info(t) for t in op.outputs),
+                outputs=_output_infos(op, functions),
                 stateful=bool(op.op_def.is_stateful) if op.op_def is not None else True,
                 calls_function=calls_function,
                 equation=op.get_attr("equation").decode() if op.type == "Einsum" else "",
@@ -124,7 +254,7 @@ def trace(fn, args: tuple, kwargs: dict | None = None) -> TracedStep:
         )
     return TracedStep(
         concrete=cf,
-        graph_def=graph.as_graph_def(),
+        graph_def=graph_def,
         records=records,
         arg_placeholders=[t.op.name for t in arg_inputs],
         arg_specs=[tf.TensorSpec(t.shape, t.dtype) for t in arg_inputs],
