@@ -66,6 +66,8 @@ class _Entry:
     fn: Callable
     rewrite_info: Any
     checked: bool = False  # the emitted function has run once (Grappler accepted it)
+    other_bytes: int = 0  # memory held outside the step when it was planned
+    replanned: bool = False  # the check after the first call has run
 
 
 class RematFunction:
@@ -136,7 +138,7 @@ class RematFunction:
         lines = [
             f"budget {p.budget_bytes / GIB:.3f} GiB (solver aimed at "
             f"{(p.budget_bytes - self._margin(p.budget_bytes, sg.graph)) / GIB:.3f} GiB)",
-            f"fixed (variables, arguments, constants): {sg.fixed_bytes / GIB:.3f} GiB",
+            f"fixed (variables, arguments, constants, other live memory): {p.fixed_bytes / GIB:.3f} GiB",
             f"predicted peak without remat: {p.baseline_peak_bytes / GIB:.3f} GiB",
             f"predicted peak with plan:     {p.predicted_peak_bytes / GIB:.3f} GiB",
             f"extra compute: {100 * p.extra_cost_fraction:.1f} % ({p.solver}, {p.status})",
@@ -192,7 +194,52 @@ class RematFunction:
             )
             out = entry.fn(*flat)
         entry.checked = True
+        if not entry.replanned:
+            self._replan_if_memory_grew(entry, flat, out)
         return out
+
+    def _replan_if_memory_grew(self, entry: _Entry, flat, out) -> None:
+        """Plan again when the first call left more memory held outside the step.
+
+        Variables without memory of their own at planning time (Keras' optimizer
+        slots share one zeros buffer until their first update) get it during the
+        first call. Measured on EfficientNetB0 planned next to another model's
+        leftovers: the first step fit, every later one ran 28 MiB over its plan. The
+        next calls use a plan made with the memory actually held now.
+        """
+        from ._tf import import_tf
+        from .emit import emit
+        from .rewrite import rewrite_graph_def
+
+        tf = import_tf()
+        entry.replanned = True
+        held = sum(
+            int(t.shape.num_elements()) * t.dtype.size
+            for t in tf.nest.flatten(out, expand_composites=True)
+            if isinstance(t, tf.Tensor) and t.shape.is_fully_defined()
+        )
+        other = max(0, _other_live_bytes(entry.step_graph, flat) - held)
+        if other <= entry.other_bytes + max(2**20, self.budget_bytes // 100):
+            return
+        try:
+            plan = self._solve(entry.step_graph, other)
+        except InfeasibleBudgetError as e:
+            warnings.warn(
+                f"tfremat: memory held outside the step grew by "
+                f"{(other - entry.other_bytes) / 2**20:.1f} MiB during the first call; "
+                f"no plan fits the budget any more (a budget of {e.min_feasible_bytes / GIB:.3f} "
+                "GiB would); keeping the first plan, which may exceed the budget",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+            return
+        gd, info = rewrite_graph_def(
+            entry.traced.graph_def, plan.schedule, entry.step_graph.graph,
+            entry.traced.dtypes, strict=self.strict,
+        )
+        entry.plan, entry.fn, entry.rewrite_info = plan, emit(entry.traced, gd), info
+        entry.other_bytes = other
+        entry.checked = False  # the new function gets the cycle check on its first call
 
     def _tf_function(self):
         if self._tf_fn is None:
@@ -235,11 +282,24 @@ class RematFunction:
         from .emit import emit
         from .graph import build_graph
         from .rewrite import rewrite_graph_def
-        from .trace import trace
+        from .trace import flat_tensor_args, trace
 
         traced = trace(self._tf_function(), args, kwargs)
         sg = build_graph(traced.records, traced.arg_placeholders)
-        fixed = max(sg.fixed_bytes, _allocator_current_bytes())
+        # The step's own fixed memory, counted from the graph (variables, arguments,
+        # constants including the splats Grappler folds into constants), plus the
+        # memory the rest of the process holds now (another model, cached tensors).
+        other = _other_live_bytes(sg, flat_tensor_args(traced.python_function, args, kwargs))
+        plan = self._solve(sg, other)
+        new_gd, info = rewrite_graph_def(
+            traced.graph_def, plan.schedule, sg.graph, traced.dtypes, strict=self.strict
+        )
+        fn = emit(traced, new_gd)
+        return _Entry(traced=traced, step_graph=sg, plan=plan, fn=fn, rewrite_info=info, other_bytes=other)
+
+    def _solve(self, sg, other: int) -> Plan:
+        """Plan ``sg`` with ``other`` bytes held outside the step, under the budget."""
+        fixed = sg.fixed_bytes + other
         margin = self._margin(self.budget_bytes, sg.graph)
         problem = Problem(sg.graph, self.budget_bytes - margin, fixed)
         try:
@@ -255,12 +315,37 @@ class RematFunction:
                 f"{self._margin(self.budget_bytes, sg.graph) / 2**20:.1f} MiB under the budget "
                 "(headroom for kernel scratch space and executor reordering)",
             ) from None
-        plan = dataclasses.replace(plan, budget_bytes=self.budget_bytes)
-        new_gd, info = rewrite_graph_def(
-            traced.graph_def, plan.schedule, sg.graph, traced.dtypes, strict=self.strict
-        )
-        fn = emit(traced, new_gd)
-        return _Entry(traced=traced, step_graph=sg, plan=plan, fn=fn, rewrite_info=info)
+        return dataclasses.replace(plan, budget_bytes=self.budget_bytes)
+
+
+# Measured on TF 2.21's default CPU allocator: allocations under 256 KiB are not
+# counted in get_memory_info, so the step's small variables are not in "current".
+_SMALLEST_COUNTED_ALLOCATION = 256 * 1024
+
+
+def _other_live_bytes(step_graph, flat) -> int:
+    """Bytes the allocator holds now beyond the step's own variables and arguments.
+
+    The graph counts the step's variables, arguments and constants itself
+    (``StepGraph.fixed_bytes``); the allocator's ``current`` also holds whatever else
+    the process keeps (another model, cached tensors), which the step cannot free.
+    The step's own buffers are subtracted at their full size, an upper bound: a
+    variable that has no memory of its own yet (Keras' optimizer slots share one
+    zeros buffer until their first update) makes this an underestimate, which the
+    check after the first call corrects (``RematFunction._first_call``).
+    """
+    current = _allocator_current_bytes()
+    if current <= 0:
+        return 0
+    own = sum(b for b in step_graph.variable_sizes if b >= _SMALLEST_COUNTED_ALLOCATION)
+    for t in flat:
+        try:
+            nbytes = int(t.shape.num_elements()) * t.dtype.size
+        except (AttributeError, TypeError):
+            nbytes = int(getattr(t, "nbytes", 0))
+        if nbytes >= _SMALLEST_COUNTED_ALLOCATION:
+            own += nbytes
+    return max(0, current - own)
 
 
 def _allocator_current_bytes() -> int:

@@ -61,6 +61,7 @@ class OpRecord:
     stateful: bool
     calls_function: bool = False
     equation: str = ""  # Einsum's equation, for its FLOP estimate
+    value_digest: str = ""  # Const ops: a digest of the value (equal constants merge)
 
 
 def producer(tensor_name: str) -> str:
@@ -114,6 +115,62 @@ def find_loss(g: nx.DiGraph, by_name: dict, update: set) -> str | None:
     return best
 
 
+# Ops whose output is one value repeated over a static shape. Grappler's constant
+# folding turns them into Const nodes whatever their size (a splat constant is stored
+# compressed, so the size limit on folded constants does not apply), and the executor
+# then holds each such constant for as long as the function lives: fixed memory, not
+# a temporary. Measured on EfficientNetB0 (32x32, batch 64): the gradient's
+# activation-sized ``Fill`` zeros added 19 MiB that stayed allocated from the first
+# call on, and the plan that counted them as temporaries ran 19 MiB over it.
+SPLAT_OPS = frozenset({"Fill", "ZerosLike", "OnesLike"})
+
+
+def _fold_splat_constants(records, by_name, g) -> int:
+    """Zero the bytes of splat ops Grappler folds; return their bytes, merged.
+
+    Grappler's common-subexpression pass merges equal constants, so folded splats of
+    the same op kind, shape, dtype and value count once.
+    """
+    const_derived: dict[str, bool] = {}
+
+    def derived(name: str) -> bool:
+        if name in const_derived:
+            return const_derived[name]
+        r = by_name.get(name)
+        const_derived[name] = False  # cycles cannot occur; this guards bad input
+        if r is None:
+            ok = False
+        elif r.op_type in ("Const", "HostConst") or r.op_type in SHAPE_ONLY_OPS:
+            ok = True
+        elif r.stateful or r.calls_function or r.op_type == "Placeholder" or not r.inputs:
+            ok = False
+        else:
+            ok = all(derived(producer(t)) for t in r.inputs)
+        const_derived[name] = ok
+        return ok
+
+    seen: set = set()
+    total = 0
+    for r in records:
+        if r.op_type not in SPLAT_OPS or len(r.outputs) != 1:
+            continue
+        out = r.outputs[0]
+        if r.op_type == "Fill":
+            if len(r.inputs) != 2 or not all(derived(producer(t)) for t in r.inputs):
+                continue
+            value = by_name.get(producer(r.inputs[1]))
+            value_key = value.value_digest if value is not None and value.value_digest else r.name
+            key: tuple = ("Fill", out.shape, out.dtype, value_key)
+        else:
+            key = (r.op_type, out.shape, out.dtype)
+        g.nodes[r.name]["bytes"] = 0
+        g.nodes[r.name]["folded"] = True
+        if key not in seen:
+            seen.add(key)
+            total += out.bytes
+    return total
+
+
 @dataclasses.dataclass(frozen=True)
 class StepGraph:
     """The planning graph and the fixed memory of a traced step."""
@@ -123,6 +180,7 @@ class StepGraph:
     variable_bytes: int
     argument_bytes: int
     constant_bytes: int
+    variable_sizes: tuple[int, ...] = ()  # bytes of each variable the step reads or writes
 
 
 def build_graph(records: Sequence[OpRecord], argument_ops: Iterable[str] = ()) -> StepGraph:
@@ -199,6 +257,8 @@ def build_graph(records: Sequence[OpRecord], argument_ops: Iterable[str] = ()) -
                 if idx < len(src.outputs):
                     variable_sizes[h] = max(variable_sizes.get(h, 0), src.outputs[idx].bytes)
 
+    constant_bytes += _fold_splat_constants(records, by_name, g)
+
     # An aliasing op's consumers keep its source buffer alive: add liveness edges
     # from the buffer's owner (the first non-aliasing producer) to those consumers.
     def owner(name: str) -> str:
@@ -266,4 +326,5 @@ def build_graph(records: Sequence[OpRecord], argument_ops: Iterable[str] = ()) -
         variable_bytes=int(variable_bytes),
         argument_bytes=int(argument_bytes),
         constant_bytes=int(constant_bytes),
+        variable_sizes=tuple(int(b) for b in variable_sizes.values()),
     )

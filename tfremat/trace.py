@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import inspect
 from typing import Any, Callable
 
@@ -199,6 +200,12 @@ def _output_infos(op, functions: dict) -> tuple[TensorInfo, ...]:
     return tuple(infos)
 
 
+def _value_digest(op) -> str:
+    if op.type not in ("Const", "HostConst"):
+        return ""
+    return hashlib.sha1(op.node_def.attr["value"].SerializeToString(deterministic=True)).hexdigest()
+
+
 def trace(fn, args: tuple, kwargs: dict | None = None) -> TracedStep:
     """Trace ``fn`` on example arguments into a :class:`TracedStep`.
 
@@ -242,6 +249,7 @@ def trace(fn, args: tuple, kwargs: dict | None = None) -> TracedStep:
                 stateful=bool(op.op_def.is_stateful) if op.op_def is not None else True,
                 calls_function=calls_function,
                 equation=op.get_attr("equation").decode() if op.type == "Einsum" else "",
+                value_digest=_value_digest(op),
             )
         )
     outputs = list(cf.outputs)
