@@ -48,15 +48,13 @@ NOT_BITWISE = {
     "resnet50": "nothing is recomputed (smallest feasible budget 1.52x the measured baseline), "
     "yet the step-1 loss differs in the 6th digit and training diverges over 3 steps: "
     "probably an ordering edge blocks a oneDNN conv fusion in the forward (not yet bisected)",
+    "efficientnetb0": "step-1 loss equal, then ~1e-6 from step 2 and 1e-3 in the variables "
+    "after 3 steps: the same class as resnet50 (not yet bisected)",
     "vgg16": "at 32x32 inputs weights and Adam slots dominate and the planner over-predicts "
     "the update phase (smallest feasible budget 1.36x the measured baseline): nothing is "
     "recomputed, so the test has nothing to check",
 }
-OVER_BUDGET = {
-    "efficientnetb0": "measured peak ~20 % above prediction (148 MiB vs 124 budget)",
-    "densenet121": "measured 140 MiB vs a 136 MiB budget (predicted 129)",
-    "resnet50": "measured 709 MiB vs a 618 MiB budget (predicted 556)",
-}
+OVER_BUDGET: dict = {}  # every model measured under budget (2026-11-30, docs/keras.md)
 CLOSE_ATOL = {"transformer": 1e-5}
 
 
@@ -194,6 +192,7 @@ def _check(name: str, fraction: float, role: str, state_file: str) -> dict:
         budget=budget,
         predicted=plan.predicted_peak_bytes,
         predicted_baseline=plan.baseline_peak_bytes,
+        fixed=plan.fixed_bytes,
         peaks=peaks,
         recomputed=len(plan.recomputed),
         logs_equal=logs == ref_logs,
@@ -284,9 +283,11 @@ def test_budget_at_sixty_percent_of_baseline(name):
     pytest.importorskip("tensorflow")
     r = _result(name)
     if r.get("infeasible_at_fraction"):
+        base = max(r["baseline_peaks"])
         pytest.xfail(
-            f"the solver's smallest budget is {r['min_feasible'] / max(r['baseline_peaks']):.2f}x "
-            "the measured baseline; tested at that budget + 10 % instead"
+            f"the solver's smallest budget is {r['min_feasible'] / base:.2f}x the measured "
+            f"baseline (fixed memory: weights, optimizer slots, inputs, constants, is "
+            f"{r['fixed'] / base:.2f}x of it); tested at that budget + 10 % instead"
         )
     assert r["budget"] <= FRACTION * max(r["baseline_peaks"]) + 1
 
