@@ -119,3 +119,44 @@ def test_cone_planner_rebuilds_each_missing_value_at_most_once_per_step(g, frac,
     for v in g:
         if not g.nodes[v]["recomputable"]:
             assert sched.count(v) == 1
+
+
+@given(g=st.one_of(training_graphs(), dags()), frac=st.floats(0.2, 1.0), seed=st.integers(0, 99),
+       fixed=st.sampled_from([0, 16]))
+def test_once_lower_bound_holds_for_schedules_that_run_those_nodes_once(g, frac, seed, fixed):
+    import random
+
+    from tfremat.simulate import single_op_lower_bound
+    from tfremat.solvers.bounds import backward_once, once_lower_bound
+    from tfremat.solvers.evict import memory_greedy_order
+
+    hard = once_lower_bound(g, fixed)  # non-recomputable nodes: every schedule
+    soft = once_lower_bound(g, fixed, once=backward_once)
+    assert single_op_lower_bound(g, fixed) <= hard <= soft
+    o = memory_greedy_order(g, g.graph["order"], random.Random(seed), sigma=2.0)
+    scheds = [o, list(g.graph["order"])]
+    for forward_only in (False, True):
+        pl = EvictionPlanner(g, o, forward_only=forward_only)
+        pos = pl.run(int(frac * reference_simulation(g).peak_bytes), "cost_bytes")
+        if pos is not None:
+            scheds.append(pl.nodes(pos))
+    for s in scheds:
+        peak = simulate(g, s, fixed).peak_bytes
+        assert peak >= hard
+        if all(s.count(v) == 1 for v in backward_once(g)):
+            assert peak >= soft
+
+
+def test_once_lower_bound_counts_a_gradient_held_across_a_branch():
+    # g0 feeds b1 (a branch) and b3 (after it): g0 is live while b1 -> b2 run.
+    import networkx as nx
+
+    from tfremat.solvers.bounds import backward_once, once_lower_bound
+
+    g = nx.DiGraph([("f", "g0"), ("g0", "b1"), ("b1", "b2"), ("b2", "b3"), ("g0", "b3")])
+    for v, b in {"f": 1, "g0": 10, "b1": 10, "b2": 10, "b3": 1}.items():
+        g.add_node(v, bytes=b, cost=1, phase="forward" if v == "f" else "backward")
+    g.graph["order"] = ["f", "g0", "b1", "b2", "b3"]
+    assert once_lower_bound(g, once=()) == 21  # single-op: b3 reads b2 and g0
+    assert once_lower_bound(g, once=backward_once) == 30  # + g0 while b2 runs
+    assert reference_simulation(g).peak_bytes == 30

@@ -1,0 +1,89 @@
+"""Proven lower bounds on the peak of a schedule, beyond the single-op bound.
+
+:func:`once_lower_bound` strengthens the single-op bound (largest op's inputs + output
++ fixed bytes) for schedules in which a given set of nodes runs exactly once: the
+non-recomputable nodes of a traced TensorFlow step (always), or the backward ops of
+a training graph (the plans tfremat's rewriter can emit, and every plan that never
+recomputes a gradient).
+
+Argument. Let ``O`` be the nodes that run exactly once and ``v`` any node; look at
+the position ``j`` of ``v``'s first computation. Its inputs' bound computations and
+its own output are live at ``j`` (the single-op bound). Let ``u`` in ``O`` be an
+ancestor of ``v`` with a consumer ``w`` that is a descendant of ``v``. Every
+computation of ``v`` follows a computation of each ancestor, so ``u``'s only
+computation comes before ``j``; every computation of ``w`` follows some computation
+of ``v``, so it comes after ``j``, and it binds to ``u``'s only computation. Hence
+``u`` is live at ``j`` too. Distinct nodes are distinct computations, so the peak is
+at least ``fixed + bytes(preds(v) | {v} | U(v))`` with ``U(v)`` those ``u``; the bound
+is the maximum over ``v``. It does not depend on the order: reordering cannot go
+below it.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Hashable, Iterable
+
+import networkx as nx
+
+from ..simulate import single_op_lower_bound
+
+__all__ = ["once_lower_bound", "backward_once"]
+
+Node = Hashable
+
+
+def backward_once(graph: nx.DiGraph) -> set:
+    """Nodes that are not forward values: backward and update ops, and every node
+    that is not recomputable."""
+    return {
+        v for v, a in graph.nodes(data=True)
+        if a.get("phase", "forward") != "forward" or not a.get("recomputable", True)
+    }
+
+
+def once_lower_bound(graph: nx.DiGraph, fixed_bytes: int = 0,
+                     once: Iterable[Node] | Callable[[nx.DiGraph], Iterable[Node]] | None = None,
+                     ) -> int:
+    """Lower bound on the peak of any schedule in which the nodes ``once`` run once.
+
+    Parameters
+    ----------
+    graph : networkx.DiGraph
+        Node attribute ``bytes``.
+    fixed_bytes : int
+        Added to the bound.
+    once : iterable of nodes, or a callable graph -> nodes, optional
+        Nodes assumed to run exactly once. Default: the non-recomputable nodes
+        (then the bound holds for every valid schedule).
+
+    Returns
+    -------
+    int
+        At least :func:`tfremat.simulate.single_op_lower_bound`.
+    """
+    if once is None:
+        once = {v for v, a in graph.nodes(data=True) if not a.get("recomputable", True)}
+    elif callable(once):
+        once = set(once(graph))
+    else:
+        once = set(once)
+    best = single_op_lower_bound(graph, fixed_bytes)
+    if not once:
+        return best
+    size = {v: int(a["bytes"]) for v, a in graph.nodes(data=True)}
+    # For each u in O with bytes: the nodes v strictly between u and one of its
+    # consumers (u an ancestor of v, the consumer a descendant of v).
+    extra: dict[Node, set] = {}
+    for u in once:
+        if size[u] <= 0:
+            continue
+        desc_u = nx.descendants(graph, u)
+        between: set = set()
+        for w in graph.successors(u):
+            between |= desc_u & nx.ancestors(graph, w)
+        for v in between:
+            extra.setdefault(v, set()).add(u)
+    for v, us in extra.items():
+        live = set(graph.predecessors(v)) | {v} | us
+        best = max(best, int(fixed_bytes) + sum(size[x] for x in live))
+    return int(best)
