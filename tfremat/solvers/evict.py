@@ -493,14 +493,15 @@ def variants_pass(problem: Problem, variants, planner: EvictionPlanner, deadline
 
 
 def restart_search(problem: Problem, planner: EvictionPlanner, variant, best, deadline: float,
-                   seed: int = 0):
+                   seed: int = 0, others=()):
     """Improve ``best`` by restarts with ``variant``'s keys randomly perturbed.
 
     Log-normal noise per value escapes the greedy rule's ties and myopia. Stops at
-    the deadline or after a run of restarts without a gain.
+    the deadline or after a run of restarts without a gain. With ``others`` the
+    restarts cycle through ``variant`` and those variants.
     """
     rng = np.random.default_rng(seed)
-    sc, nb, ks, cn = _full(variant)
+    cycle = [_full(variant)] + [_full(v) for v in others if _full(v) != _full(variant)]
     stale = 0
     for k in range(1000):
         # Stop at the deadline, or after a run of restarts without a gain (longer
@@ -508,6 +509,7 @@ def restart_search(problem: Problem, planner: EvictionPlanner, variant, best, de
         if time.perf_counter() > deadline or stale >= min(200, 20 + 2 * planner.n):
             break
         sigma = (0.1, 0.3, 1.0)[k % 3]
+        sc, nb, ks, cn = cycle[k % len(cycle)]
         noise = np.exp(sigma * rng.standard_normal(planner.n))
         before = best[0]
         best, _ = _search(problem, planner, sc, deadline, best, neighbourhood=nb,
