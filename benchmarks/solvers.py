@@ -134,6 +134,9 @@ def cmd_report(args):
         for r in d["rows"]:
             if r["solver"] not in solvers:
                 solvers.append(r["solver"])
+    # Registry order (auto first), whatever order partial reruns stored rows in.
+    registry = list(SOLVERS)
+    solvers.sort(key=lambda s: registry.index(s) if s in registry else len(registry))
     print("### Cost relative to checkpoint-all (every node once), by solver\n")
     print("Cell: cost / checkpoint-all cost (peak / budget, seconds); `inf` = infeasible "
           "(the solver's reported minimum budget / budget); `—` below the single-op lower "
