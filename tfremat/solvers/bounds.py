@@ -14,8 +14,9 @@ computation of ``v`` follows a computation of each ancestor, so ``u``'s only
 computation comes before ``j``; every computation of ``w`` follows some computation
 of ``v``, so it comes after ``j``, and it binds to ``u``'s only computation. Hence
 ``u`` is live at ``j`` too. Distinct nodes are distinct computations, so the peak is
-at least ``fixed + bytes(preds(v) | {v} | U(v))`` with ``U(v)`` those ``u``; the bound
-is the maximum over ``v``. It does not depend on the order: reordering cannot go
+at least ``fixed + bytes(preds(v) | {v} | U(v))`` with ``U(v)`` those ``u`` (less one
+input of ``v``'s size outside ``U(v)`` when ``v`` is ``inplace``: it may take over that
+buffer); the bound is the maximum over ``v``. It does not depend on the order: reordering cannot go
 below it.
 """
 
@@ -85,5 +86,11 @@ def once_lower_bound(graph: nx.DiGraph, fixed_bytes: int = 0,
             extra.setdefault(v, set()).add(u)
     for v, us in extra.items():
         live = set(graph.predecessors(v)) | {v} | us
+        if graph.nodes[v].get("inplace") and size[v] > 0:
+            # v may take over the buffer of an input of its size read for the last
+            # time (simulate.py); not one of ``us``, which are read later.
+            reusable = [p for p in graph.predecessors(v) if size[p] == size[v] and p not in us]
+            if reusable:
+                live.discard(reusable[0])
         best = max(best, int(fixed_bytes) + sum(size[x] for x in live))
     return int(best)
