@@ -15,7 +15,8 @@ graph, solve, rewrite, emit: a user's first-call planning latency) at each fract
 ``plan`` loads that file in a process without TensorFlow and times ``auto`` on it at
 budgets ``ceil(f x reference peak)`` (fixed bytes included) or, with ``--of
 activations``, ``fixed + ceil(f x (reference peak - fixed))``, printing one JSON line per
-fraction.
+fraction, with the single-op bound and ``fixed_order_lower_bound`` (the proven floor
+for plans that keep the traced order, as tfremat's rewriter does).
 """
 
 from __future__ import annotations
@@ -117,13 +118,17 @@ def cmd_trace(args):
 def cmd_plan(args):
     from tfremat import InfeasibleBudgetError, Problem, solve
     from tfremat.io import load_graph
-    from tfremat.simulate import reference_simulation
+    from tfremat.simulate import reference_simulation, single_op_lower_bound
+    from tfremat.solvers.bounds import fixed_order_lower_bound
 
     t = time.perf_counter()
     g = load_graph(args.graph)
     t_load = time.perf_counter() - t
     fixed = int(g.graph.get("fixed_bytes", 0))
     ref = reference_simulation(g, fixed)
+    # Proven floor for plans that keep the traced order with the non-recomputable
+    # (backward, update, stateful) ops run once: what tfremat's rewriter emits.
+    floor = fixed_order_lower_bound(g, fixed)
     for f in args.fractions:
         budget = budget_for(f, ref.peak_bytes, fixed, args.of)
         t = time.perf_counter()
@@ -137,6 +142,7 @@ def cmd_plan(args):
                    "min_feasible_fraction": round(e.min_feasible_bytes / ref.peak_bytes, 4)}
         res.update(graph=g.graph.get("name"), nodes=g.number_of_nodes(), fraction=f, of=args.of,
                    budget=budget, reference_peak=ref.peak_bytes, fixed_bytes=fixed,
+                   single_op_bound=single_op_lower_bound(g, fixed), fixed_order_bound=floor,
                    load_s=round(t_load, 2), solve_s=round(time.perf_counter() - t, 2),
                    traced_s=g.graph.get("timings_s"))
         print(json.dumps(res), flush=True)

@@ -181,3 +181,32 @@ def test_once_lower_bound_counts_a_gradient_held_across_a_branch():
     assert once_lower_bound(g, once=()) == 21  # single-op: b3 reads b2 and g0
     assert once_lower_bound(g, once=backward_once) == 30  # + g0 while b2 runs
     assert reference_simulation(g).peak_bytes == 30
+
+
+@given(g=st.one_of(training_graphs(), dags()), frac=st.floats(0.2, 1.0),
+       fixed=st.sampled_from([0, 16]), data=st.data())
+def test_fixed_order_lower_bound_holds_for_plans_in_reference_order(g, frac, fixed, data):
+    from tfremat.solvers.bounds import backward_once, fixed_order_lower_bound, once_lower_bound
+
+    for v in g:
+        if data.draw(st.integers(0, 3)) == 0:
+            ins = list(g.predecessors(v))
+            if ins:
+                g.nodes[v]["inplace"] = True
+                g.nodes[v]["bytes"] = g.nodes[ins[0]]["bytes"]
+    hard = fixed_order_lower_bound(g, fixed)
+    soft = fixed_order_lower_bound(g, fixed, once=backward_once)
+    assert once_lower_bound(g, fixed) <= hard <= soft
+    ref = reference_simulation(g, fixed).peak_bytes
+    assert soft <= ref
+    for forward_only in (False, True):
+        pl = EvictionPlanner(g, g.graph["order"], forward_only=forward_only)
+        pos = pl.run(int(frac * ref), data.draw(st.sampled_from(["belady", "cost_bytes"])),
+                     cone=data.draw(st.booleans()))
+        if pos is None:
+            continue
+        sched = pl.nodes(pos)  # first occurrences in reference order (tested above)
+        peak = simulate(g, sched, fixed).peak_bytes
+        assert peak >= hard
+        if all(sched.count(v) == 1 for v in backward_once(g)):
+            assert peak >= soft

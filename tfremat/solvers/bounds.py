@@ -26,9 +26,10 @@ from typing import Callable, Hashable, Iterable
 
 import networkx as nx
 
+from ..plan import Problem
 from ..simulate import single_op_lower_bound
 
-__all__ = ["once_lower_bound", "backward_once"]
+__all__ = ["once_lower_bound", "backward_once", "fixed_order_lower_bound"]
 
 Node = Hashable
 
@@ -93,4 +94,50 @@ def once_lower_bound(graph: nx.DiGraph, fixed_bytes: int = 0,
             if reusable:
                 live.discard(reusable[0])
         best = max(best, int(fixed_bytes) + sum(size[x] for x in live))
+    return int(best)
+
+
+def fixed_order_lower_bound(graph: nx.DiGraph, fixed_bytes: int = 0,
+                            once: Iterable[Node] | Callable[[nx.DiGraph], Iterable[Node]] | None = None,
+                            ) -> int:
+    """Lower bound on the peak of schedules that keep the reference order of first
+    occurrences and run the nodes ``once`` once: the plans tfremat's TensorFlow
+    rewriter emits (``once`` defaults to the non-recomputable nodes).
+
+    Argument: at ``v``'s first computation, every ``u`` in ``once`` placed before
+    ``v`` in the reference order has run (its only computation), and each consumer
+    of ``u`` placed after ``v`` has not yet run its first computation, which will
+    read that one; so ``u`` is live, besides ``v``'s inputs and output (less one
+    input of ``v``'s size that is not such a ``u``, when ``v`` is ``inplace``).
+    Linear time: one sweep over the reference order.
+    """
+    if once is None:
+        once = {v for v, a in graph.nodes(data=True) if not a.get("recomputable", True)}
+    elif callable(once):
+        once = set(once(graph))
+    else:
+        once = set(once)
+    order = Problem(graph, 0).order
+    pos = {v: i for i, v in enumerate(order)}
+    n = len(order)
+    size = [int(graph.nodes[v]["bytes"]) for v in order]
+    last = [max((pos[w] for w in graph.successors(v)), default=i) for i, v in enumerate(order)]
+    held = [v in once for v in order]
+    # cover[j]: bytes of values in ``once`` strictly between their position and
+    # their last consumer's.
+    diff = [0] * (n + 1)
+    for i in range(n):
+        if held[i] and size[i] > 0 and last[i] > i + 1:
+            diff[i + 1] += size[i]
+            diff[last[i]] -= size[i]
+    best = single_op_lower_bound(graph, fixed_bytes)
+    cover = 0
+    for j, v in enumerate(order):
+        cover += diff[j]
+        ins = [pos[u] for u in graph.predecessors(v)]
+        free = [i for i in ins if not (held[i] and last[i] > j)]  # not in cover
+        need = cover + size[j] + sum(size[i] for i in free)
+        if graph.nodes[v].get("inplace") and size[j] > 0 and any(size[i] == size[j] for i in free):
+            need -= size[j]
+        best = max(best, int(fixed_bytes) + need)
     return int(best)
