@@ -131,10 +131,18 @@ def reference_simulation(graph: nx.DiGraph, fixed_bytes: int = 0) -> Simulation:
 
 
 def single_op_lower_bound(graph: nx.DiGraph, fixed_bytes: int = 0) -> int:
-    """A proven lower bound on any schedule's peak: the largest op's inputs + output + fixed."""
+    """A proven lower bound on any schedule's peak: the largest op's inputs + output + fixed.
+
+    An ``inplace`` op may take over the buffer of one input of its own size (at that
+    input's last use), so for it one such input is not counted.
+    """
     best = 0
     for v in graph.nodes:
-        need = graph.nodes[v]["bytes"] + sum(graph.nodes[u]["bytes"] for u in graph.predecessors(v))
+        own = int(graph.nodes[v]["bytes"])
+        ins = [int(graph.nodes[u]["bytes"]) for u in graph.predecessors(v)]
+        need = own + sum(ins)
+        if graph.nodes[v].get("inplace") and own > 0 and own in ins:
+            need -= own
         best = max(best, need)
     return int(best + fixed_bytes)
 

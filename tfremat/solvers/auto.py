@@ -10,7 +10,9 @@ Every candidate is scored by the simulator on the real graph. Members, in order:
 3. Segment checkpointing with greedy refinement (:mod:`.segments`), up to 1,500 ops.
 4. Offline eviction planning (:mod:`.evict`): recompute-on-demand with
    future-aware eviction rules and perturbed restarts, pruned by the best cost so
-   far; also on the low-peak order of member 1 when there is one.
+   far; also on the low-peak order of member 1 when there is one, there with the
+   ``cone`` variants (an op's missing inputs rebuilt as one cone, each node once),
+   and the restarts go to whichever order and variant won.
 5. A CP-SAT polish of the best plan (fully recomputable graphs up to 400 nodes,
    when OR-Tools is installed), in the time left.
 
@@ -32,12 +34,15 @@ from ..simulate import reference_simulation, single_op_lower_bound
 from .baselines import articulation_candidates, greedy_sweep, linear_candidates
 from .common import make_plan
 from .evict import (
+    CONE_VARIANTS,
     KEEP_SOURCE_VARIANTS,
     VARIANTS,
     EvictionPlanner,
     evict_plan,
     low_peak_order,
     min_feasible_budget,
+    restart_search,
+    variants_pass,
 )
 from .segments import segments_solver
 
@@ -46,6 +51,10 @@ __all__ = ["auto_solver"]
 DEFAULT_TIME_LIMIT_S = 9.0  # the 10 s per-solve target, with a margin
 RESTART_S = 5.0
 RESTART_FIXED_ORDER_S = 1.5
+#: Default limit and restart time for graphs without a backward phase whose every
+#: node may be reordered, above POLISH_MAX_NODES nodes.
+FORWARD_TIME_LIMIT_S = 20.0
+RESTART_FORWARD_S = 10.0
 REORDER_S = 3.0  # randomized list scheduling, fully recomputable graphs only
 POLISH_S = 4.0  # time kept back for the CP-SAT polish
 #: Above this many nodes (op-level traces) only the three best eviction variants
@@ -144,6 +153,14 @@ def auto_solver(problem: Problem) -> Plan:
         a.get("phase", "forward") == "backward" for _, a in g.nodes(data=True)
     )
     order0 = None
+    if reorder_search and not polish and problem.time_limit_s is None:
+        # Larger graphs without a backward phase (random layered n500, n1000): their
+        # plans recompute whole cones and restarts keep paying off, so they get a
+        # longer default (the target there is 30 s; training graphs and
+        # traces keep the 9 s default).
+        restart_s = RESTART_FORWARD_S
+        limit = FORWARD_TIME_LIMIT_S
+        deadline = t0 + limit
     if reorder_search:
         # Every node once is the least compute: an order that fits is optimal.
         order0, peak0 = low_peak_order(problem, time.perf_counter() + REORDER_S)
@@ -162,29 +179,46 @@ def auto_solver(problem: Problem) -> Plan:
         except InfeasibleBudgetError as e:
             lowest = min(lowest, e.min_feasible_bytes)
     planner = EvictionPlanner(g, problem.order)
-    # Random restarts get what time is left, but at most a few seconds past the
-    # deterministic variants: their gains flatten quickly (docs/solvers.md).
-    best, low = evict_plan(
-        problem,
-        variants=VARIANTS[:3] if big else VARIANTS + (KEEP_SOURCE_VARIANTS if order0 is not None else ()),
-        deadline=min(deadline - (POLISH_S if polish else 0.0),
-                     time.perf_counter() + (1.0 if big else restart_s)),
-        planner=planner,
-        best=best,
-        restarts=not big,
-    )
+    evict_deadline = min(deadline - (POLISH_S if polish else 0.0),
+                         time.perf_counter() + (1.0 if big else restart_s))
+    if order0 is not None:
+        # No backward phase and every op may be reordered: plan on the low-peak
+        # order too, with the cone variants (which alone find plans on the larger
+        # random layered graphs); restarts go to the order and variant that won.
+        low_planner = EvictionPlanner(g, order0)
+        alt = dataclasses.replace(problem, graph=_with_order(g, order0))
+        # On the larger random graphs the recursive variants never fit on the
+        # low-peak order and cost ~1 s each: keep the one that sometimes wins.
+        low_variants = CONE_VARIANTS + (
+            VARIANTS[:2] + KEEP_SOURCE_VARIANTS if n <= POLISH_MAX_NODES else KEEP_SOURCE_VARIANTS[:1]
+        )
+        best, low, win = variants_pass(alt, low_variants, low_planner, evict_deadline, best)
+        lowest = lowest if low is None else min(lowest, low)
+        planner_win, prob_win = low_planner, alt
+        best, low, win2 = variants_pass(
+            problem, VARIANTS + KEEP_SOURCE_VARIANTS, planner,
+            evict_deadline if polish else min(evict_deadline, time.perf_counter() + 1.5), best,
+        )
+        if win2 is not None:
+            win, planner_win, prob_win = win2, planner, problem
+        if best is not None and win is not None:
+            # Belady-cone is a feasibility fallback; when it won, the cost-aware cone
+            # rules often fit under perturbed keys (n1000 at 0.8: 3.9x -> see docs).
+            others = CONE_VARIANTS[:2] if win[0] == "belady" and planner_win is low_planner else ()
+            best = restart_search(prob_win, planner_win, win, best, evict_deadline, others=others)
+    else:
+        # Random restarts get what time is left, but at most a few seconds past the
+        # deterministic variants: their gains flatten quickly (docs/solvers.md).
+        best, low = evict_plan(
+            problem,
+            variants=VARIANTS[:3] if big else VARIANTS,
+            deadline=evict_deadline,
+            planner=planner,
+            best=best,
+            restarts=not big,
+        )
     if low is not None:
         lowest = min(lowest, low)
-    if order0 is not None:
-        # Graphs whose ops may all be reordered (no op must run exactly once, as
-        # stateful or non-recomputable TF ops must, in reference order): also plan on
-        # a low-peak order (randomized memory-greedy list scheduling).
-        alt = dataclasses.replace(problem, graph=_with_order(g, order0))
-        best, low = evict_plan(alt, variants=VARIANTS[:2] + KEEP_SOURCE_VARIANTS, best=best,
-                               restarts=False,
-                               deadline=max(deadline, time.perf_counter() + 1.0))
-        if low is not None:
-            lowest = min(lowest, low)
     if best is not None and polish:
         polished = _polish(problem, best, deadline)
         if polished is not None and polished.cost < best[0]:
@@ -193,12 +227,22 @@ def auto_solver(problem: Problem) -> Plan:
         # Belady reaches the lowest budgets on the Checkmate graphs, the cost-aware
         # rule on random DAGs (1.77 vs 2.31 x the lower bound on n100): try both.
         # Evicting forward values only goes lower where there is a backward phase.
-        stop = time.perf_counter() + limit
-        mf, sched = min_feasible_budget(problem, planner, deadline=stop)
+        stop = time.perf_counter() + min(limit, DEFAULT_TIME_LIMIT_S)
         fwd_planner = EvictionPlanner(g, problem.order, forward_only=True)
-        for pl, score in ((planner, "cost_bytes_dist"), (fwd_planner, "belady"),
-                          (fwd_planner, "cost_bytes_dist")):
-            mf2, sched2 = min_feasible_budget(problem, pl, score=score, deadline=stop)
+        tries = [(planner, ("belady",)), (planner, ("cost_bytes_dist",)),
+                 (fwd_planner, ("belady",)), (fwd_planner, ("cost_bytes_dist",))]
+        if order0 is not None:
+            # No backward phase: rebuilding missing cones at once reaches far lower
+            # budgets on the random layered graphs (docs/solvers.md); try it first.
+            low_planner = EvictionPlanner(g, order0)
+            tries = [(pl, v) for v in CONE_VARIANTS for pl in (low_planner, planner)] + tries[:2]
+        mf, sched = ref.peak_bytes, list(problem.order)
+        for k, (pl, (score, *flags)) in enumerate(tries):
+            kw = dict(zip(("neighbourhood", "keep_sources", "cone"), flags))
+            # An equal share of the time left to each try, so none starves the rest.
+            share = (stop - time.perf_counter()) / (len(tries) - k)
+            mf2, sched2 = min_feasible_budget(problem, pl, score=score, deadline=time.perf_counter() + share,
+                                              **kw)
             if mf2 < mf:
                 mf, sched = mf2, sched2
         if mf <= budget:  # the bisection found a plan after all

@@ -33,7 +33,8 @@ from ..plan import Plan, Problem
 from ..simulate import reference_simulation, simulate, single_op_lower_bound
 from .common import make_plan
 
-__all__ = ["EvictionPlanner", "evict_solver", "low_peak_order", "memory_greedy_order", "SCORES"]
+__all__ = ["EvictionPlanner", "evict_solver", "low_peak_order", "memory_greedy_order", "SCORES",
+           "CONE_VARIANTS"]
 
 Node = Hashable
 
@@ -60,6 +61,18 @@ VARIANTS = (
 KEEP_SOURCE_VARIANTS = (
     ("cost_bytes", True, True),
     ("cost_bytes_dist", False, True),
+)
+
+#: Variants that rebuild an op's missing inputs as one cone (``cone``), for graphs
+#: without a backward phase, best first. Measured on the random layered graphs at
+#: 0.8 (low-peak order, working budget bisected): the recursive variants above find
+#: no plan on n500 or n1000 (single steps thrash); the first fits both (n1000 at
+#: 2.04x the every-node-once cost), the second n500 at +3.9 %, Belady-cone is a
+#: last resort for feasibility (docs/solvers.md).
+CONE_VARIANTS = (
+    ("cost_bytes_dist", True, True, True),
+    ("cost_bytes", True, True, True),
+    ("belady", False, False, True),
 )
 
 
@@ -119,8 +132,16 @@ class EvictionPlanner:
 
     def run(self, cap: int, score: str = "cost_bytes_dist", max_cost: float = np.inf,
             max_len: int | None = None, neighbourhood: bool = True,
-            noise: np.ndarray | None = None, keep_sources: bool = False) -> list[int] | None:
+            noise: np.ndarray | None = None, keep_sources: bool = False,
+            cone: bool = False) -> list[int] | None:
         """Schedule (as reference positions) keeping tracked live bytes <= ``cap``.
+
+        With ``cone``, an op's missing inputs are rebuilt as one cone: every missing
+        ancestor computed once, in depth-first post-order, and held (not evictable)
+        until its last read within that step, so a step costs at most one
+        computation per node (the default recursion may evict a shared ancestor
+        between two reads and rebuild it per path; on random DAGs that blew a
+        single step up to 10^5 computations).
 
         Returns None when some op cannot fit, or when the schedule's cost would exceed
         ``max_cost`` or its length ``max_len`` (pruning runs that thrash).
@@ -253,6 +274,48 @@ class EvictionPlanner:
                     parent[2] += 1
             return True
 
+        def compute_cone(root: int) -> bool:
+            # The missing cone in depth-first post-order (missing inputs first), each
+            # node once; then run it with every value pinned until its last read.
+            nonlocal mem, spent
+            steps: list[int] = []
+            seen = {root}
+            stack = [(root, iter(inputs_first_missing(root)))]
+            while stack:
+                x, it = stack[-1]
+                for p in it:
+                    if p not in seen and not resident[p]:
+                        if not recomp[p]:  # cannot happen: pinned until need_until
+                            return False
+                        seen.add(p)
+                        stack.append((p, iter(inputs_first_missing(p))))
+                        break
+                else:
+                    stack.pop()
+                    steps.append(x)
+            uses: dict[int, int] = {}
+            for x in steps:
+                for p in preds[x]:
+                    uses[p] = uses.get(p, 0) + 1
+            for p, k in uses.items():
+                if resident[p]:
+                    prot[p] += k
+            for x in steps:
+                if not make_room(int(size[x])):
+                    return False
+                spent += cost[x]
+                if spent > max_cost or len(sched) > max_len:
+                    return False
+                sched.append(x)
+                resident[x] = True
+                mem += int(size[x])
+                touched.append(x)
+                prot[x] += uses.get(x, 0)
+                for p in preds[x]:
+                    prot[p] -= 1
+                    touched.append(p)
+            return True
+
         def inputs_first_missing(x: int) -> list[int]:
             ps = preds[x]
             return [p for p in ps if not resident[p]] + [p for p in ps if resident[p]]
@@ -260,7 +323,7 @@ class EvictionPlanner:
         touched: list[int] = []
         for t in range(n):
             touched.clear()
-            if not compute(t):
+            if not (compute_cone(t) if cone else compute(t)):
                 return None
             ins = preds[t]
             for u in ins:
@@ -359,7 +422,7 @@ def low_peak_order(problem: Problem, deadline: float, seed: int = 0):
 
 def _search(problem: Problem, planner: EvictionPlanner, score: str, deadline: float,
             best=None, steps: int = 10, neighbourhood: bool = False, noise=None,
-            keep_sources: bool = False):
+            keep_sources: bool = False, cone: bool = False):
     """Improve ``best`` = (cost, schedule) over working budgets from the budget upwards.
 
     Returns the new best (or None) and the lowest simulated peak seen (or None).
@@ -373,7 +436,7 @@ def _search(problem: Problem, planner: EvictionPlanner, score: str, deadline: fl
         nonlocal best, lowest
         pos = planner.run(cap, score, max_cost=best[0] if best else np.inf,
                           neighbourhood=neighbourhood, noise=noise,
-                          keep_sources=keep_sources)
+                          keep_sources=keep_sources, cone=cone)
         if pos is None:  # cannot fit at this cap, or pruned as dearer than the best
             return None
         sched = planner.nodes(pos)
@@ -399,37 +462,46 @@ def _search(problem: Problem, planner: EvictionPlanner, score: str, deadline: fl
     return best, lowest
 
 
-def evict_plan(problem: Problem, variants=VARIANTS, deadline: float | None = None,
-               planner: EvictionPlanner | None = None, best=None, restarts: bool = True,
-               seed: int = 0):
-    """Cheapest eviction schedule as (cost, schedule), or None; and the lowest peak seen.
+def _full(variant) -> tuple:
+    """(score, neighbourhood, keep_sources, cone), missing flags False."""
+    return tuple(variant) + (False,) * (4 - len(variant))
 
-    Tries each (score, neighbourhood[, keep_sources]) variant, each with its working budget bisected;
-    then, while time remains, restarts with the best variant's keys randomly perturbed
-    (log-normal noise per value), which escapes the greedy rule's ties and myopia.
-    ``best``, an incumbent (cost, schedule), prunes runs that would cost more.
-    Deterministic for a given ``seed`` (up to the deadline).
+
+def variants_pass(problem: Problem, variants, planner: EvictionPlanner, deadline: float,
+                  best=None):
+    """Each variant once, its working budget bisected.
+
+    Returns
+    -------
+    (best, lowest, winner)
+        The new best (cost, schedule) or None, the lowest simulated peak seen (or
+        None), and the variant (4-tuple) that last improved the best (None if none).
     """
-    if deadline is None:
-        deadline = time.perf_counter() + (problem.time_limit_s or 10.0)
-    planner = planner or EvictionPlanner(problem.graph, problem.order)
-    lowest = None
-    winner = tuple(variants[0]) + (False,) * (3 - len(variants[0]))
+    lowest = winner = None
     for variant in variants:
-        sc, nb, ks = tuple(variant) + (False,) * (3 - len(variant))
+        sc, nb, ks, cn = _full(variant)
         before = best[0] if best else None
         best, low = _search(problem, planner, sc, deadline, best, neighbourhood=nb,
-                            keep_sources=ks)
+                            keep_sources=ks, cone=cn)
         if best is not None and (before is None or best[0] < before):
-            winner = (sc, nb, ks)
+            winner = (sc, nb, ks, cn)
         if low is not None:
             lowest = low if lowest is None else min(lowest, low)
         if time.perf_counter() > deadline:
-            return best, lowest
-    if not restarts or best is None:
-        return best, lowest
+            break
+    return best, lowest, winner
+
+
+def restart_search(problem: Problem, planner: EvictionPlanner, variant, best, deadline: float,
+                   seed: int = 0, others=()):
+    """Improve ``best`` by restarts with ``variant``'s keys randomly perturbed.
+
+    Log-normal noise per value escapes the greedy rule's ties and myopia. Stops at
+    the deadline or after a run of restarts without a gain. With ``others`` the
+    restarts cycle through ``variant`` and those variants.
+    """
     rng = np.random.default_rng(seed)
-    sc, nb, ks = winner
+    cycle = [_full(variant)] + [_full(v) for v in others if _full(v) != _full(variant)]
     stale = 0
     for k in range(1000):
         # Stop at the deadline, or after a run of restarts without a gain (longer
@@ -437,16 +509,39 @@ def evict_plan(problem: Problem, variants=VARIANTS, deadline: float | None = Non
         if time.perf_counter() > deadline or stale >= min(200, 20 + 2 * planner.n):
             break
         sigma = (0.1, 0.3, 1.0)[k % 3]
+        sc, nb, ks, cn = cycle[k % len(cycle)]
         noise = np.exp(sigma * rng.standard_normal(planner.n))
         before = best[0]
-        best, low = _search(problem, planner, sc, deadline, best, neighbourhood=nb,
-                            noise=noise, steps=6, keep_sources=ks)
+        best, _ = _search(problem, planner, sc, deadline, best, neighbourhood=nb,
+                          noise=noise, steps=6, keep_sources=ks, cone=cn)
         stale = 0 if best[0] < before else stale + 1
+    return best
+
+
+def evict_plan(problem: Problem, variants=VARIANTS, deadline: float | None = None,
+               planner: EvictionPlanner | None = None, best=None, restarts: bool = True,
+               seed: int = 0):
+    """Cheapest eviction schedule as (cost, schedule), or None; and the lowest peak seen.
+
+    Tries each (score, neighbourhood[, keep_sources[, cone]]) variant, each with its
+    working budget bisected; then, while time remains, restarts with the best
+    variant's keys randomly perturbed (:func:`restart_search`). ``best``, an
+    incumbent (cost, schedule), prunes runs that would cost more. Deterministic for
+    a given ``seed`` (up to the deadline).
+    """
+    if deadline is None:
+        deadline = time.perf_counter() + (problem.time_limit_s or 10.0)
+    planner = planner or EvictionPlanner(problem.graph, problem.order)
+    best, lowest, winner = variants_pass(problem, variants, planner, deadline, best)
+    if restarts and best is not None and time.perf_counter() < deadline:
+        best = restart_search(problem, planner, winner or variants[0], best, deadline, seed)
     return best, lowest
 
 
 def min_feasible_budget(problem: Problem, planner: EvictionPlanner | None = None,
-                        score: str = "belady", deadline: float | None = None):
+                        score: str = "belady", deadline: float | None = None,
+                        neighbourhood: bool = True, keep_sources: bool = False,
+                        cone: bool = False):
     """Smallest budget (bisected) at which an eviction schedule fits, with that schedule.
 
     Returns
@@ -465,7 +560,8 @@ def min_feasible_budget(problem: Problem, planner: EvictionPlanner | None = None
     def peak_at(cap):
         nonlocal best
         # Runs at tiny caps recompute a lot; allow that here, it is the point.
-        pos = planner.run(cap, score, max_len=20 * planner.n + 100)
+        pos = planner.run(cap, score, max_len=20 * planner.n + 100,
+                          neighbourhood=neighbourhood, keep_sources=keep_sources, cone=cone)
         if pos is None:
             return None
         sched = planner.nodes(pos)
