@@ -320,7 +320,19 @@ class RematFunction:
 
 # Measured on TF 2.21's default CPU allocator: allocations under 256 KiB are not
 # counted in get_memory_info, so the step's small variables are not in "current".
-_SMALLEST_COUNTED_ALLOCATION = 256 * 1024
+# GPU allocators (BFC) count every allocation.
+_SMALLEST_COUNTED_ALLOCATION = {"CPU": 256 * 1024, "GPU": 0}
+
+
+def _step_device() -> str:
+    """The device a step runs on by default: the first GPU if there is one."""
+    from ._tf import import_tf
+
+    tf = import_tf()
+    try:
+        return "GPU:0" if tf.config.list_logical_devices("GPU") else "CPU:0"
+    except RuntimeError:
+        return "CPU:0"
 
 
 def _other_live_bytes(step_graph, flat) -> int:
@@ -334,27 +346,29 @@ def _other_live_bytes(step_graph, flat) -> int:
     zeros buffer until their first update) makes this an underestimate, which the
     check after the first call corrects (``RematFunction._first_call``).
     """
-    current = _allocator_current_bytes()
+    device = _step_device()
+    current = _allocator_current_bytes(device)
     if current <= 0:
         return 0
-    own = sum(b for b in step_graph.variable_sizes if b >= _SMALLEST_COUNTED_ALLOCATION)
+    smallest = _SMALLEST_COUNTED_ALLOCATION[device.split(":")[0]]
+    own = sum(b for b in step_graph.variable_sizes if b >= smallest)
     for t in flat:
         try:
             nbytes = int(t.shape.num_elements()) * t.dtype.size
         except (AttributeError, TypeError):
             nbytes = int(getattr(t, "nbytes", 0))
-        if nbytes >= _SMALLEST_COUNTED_ALLOCATION:
+        if nbytes >= smallest:
             own += nbytes
     return max(0, current - own)
 
 
-def _allocator_current_bytes() -> int:
-    """Bytes the TF allocator holds now (0 when the device does not report it)."""
+def _allocator_current_bytes(device: str = "CPU:0") -> int:
+    """Bytes the TF allocator of ``device`` holds now (0 when it does not report it)."""
     from ._tf import import_tf
 
     tf = import_tf()
     try:
-        return int(tf.config.experimental.get_memory_info("CPU:0")["current"])
+        return int(tf.config.experimental.get_memory_info(device)["current"])
     except (ValueError, RuntimeError, tf.errors.OpError):
         return 0
 
