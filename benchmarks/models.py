@@ -14,8 +14,14 @@ CPU allocator cap (``TF_CPU_ALLOCATOR_USE_BFC=true TF_CPU_BFC_MEM_LIMIT_IN_MB=N
 TF_ENABLE_ONEDNN_OPTS=0``; with oneDNN on an OOM under the cap can segfault instead of
 raising) for: Keras' own step, ``keras.RematScope`` in modes ``full`` and
 ``activations`` (best reported), and tfremat with a budget of 90 % of the cap.
-``tf.recompute_grad`` per block is not run: these models are Keras functional graphs
-whose blocks are not separate callables (RematScope is Keras' per-layer equivalent).
+``tf.recompute_grad`` per block does not apply to these models as they are: it re-runs
+a block's Python function in the backward pass, and their blocks hold state that the
+re-run would change (BatchNorm's moving-average assigns would run twice; Keras' dropout
+draws its seed from a SeedGenerator variable that the first run advanced, so the re-run
+draws a different mask and the gradient is wrong without an error). RematScope is
+Keras' per-layer wrapper of the same mechanism; its ``full`` mode fails in a compiled
+graph-mode train step (Keras 3.15: "The custom_gradient decorator currently supports
+keywords arguments only when eager execution is enabled"), reported as batch 0.
 """
 
 from __future__ import annotations
