@@ -34,6 +34,16 @@ __all__ = ["once_lower_bound", "backward_once", "fixed_order_lower_bound"]
 Node = Hashable
 
 
+
+def _once_set(graph, once) -> set:
+    """The nodes that run exactly once: given, computed from the graph, or by default
+    the non-recomputable ones."""
+    if once is None:
+        return {v for v, a in graph.nodes(data=True) if not a.get("recomputable", True)}
+    if callable(once):
+        return set(once(graph))
+    return set(once)
+
 def backward_once(graph: nx.DiGraph) -> set:
     """Nodes that are not forward values: backward and update ops, and every node
     that is not recomputable."""
@@ -63,12 +73,7 @@ def once_lower_bound(graph: nx.DiGraph, fixed_bytes: int = 0,
     int
         At least :func:`tfremat.simulate.single_op_lower_bound`.
     """
-    if once is None:
-        once = {v for v, a in graph.nodes(data=True) if not a.get("recomputable", True)}
-    elif callable(once):
-        once = set(once(graph))
-    else:
-        once = set(once)
+    once = _once_set(graph, once)
     best = single_op_lower_bound(graph, fixed_bytes)
     if not once:
         return best
@@ -111,12 +116,7 @@ def fixed_order_lower_bound(graph: nx.DiGraph, fixed_bytes: int = 0,
     input of ``v``'s size that is not such a ``u``, when ``v`` is ``inplace``).
     Linear time: one sweep over the reference order.
     """
-    if once is None:
-        once = {v for v, a in graph.nodes(data=True) if not a.get("recomputable", True)}
-    elif callable(once):
-        once = set(once(graph))
-    else:
-        once = set(once)
+    once = _once_set(graph, once)
     order = Problem(graph, 0).order
     pos = {v: i for i, v in enumerate(order)}
     n = len(order)
