@@ -41,9 +41,6 @@ LARGE = {"efficientnetb0", "vgg16", "densenet121", "resnet50"}
 # Known gaps, measured (see docs/keras.md). Each is an xfail that still runs: it
 # turns into a pass (reported as XPASS) once the gap is fixed.
 NOT_BITWISE = {
-    "transformer": "Grappler's arithmetic optimizer skips ops that have or drive a control "
-    "dependency; ordering edges and recompute gates touch GELU-gradient Mul/Square ops, so "
-    "a rewrite that runs in Keras' step does not run here (~1e-6 after 3 steps)",
     "resnet50": "nothing is recomputed (smallest feasible budget 1.52x the measured baseline), "
     "yet the step-1 loss differs in the 6th digit and training diverges over 3 steps: "
     "probably an ordering edge blocks a oneDNN conv fusion in the forward (not yet bisected)",
@@ -60,7 +57,7 @@ OVER_BUDGET = {
     "densenet121": "measured 140 MiB vs a 136 MiB budget (predicted 129)",
     "resnet50": "measured 709 MiB vs a 618 MiB budget (predicted 556)",
 }
-CLOSE_ATOL = {"transformer": 1e-5}
+CLOSE_ATOL: dict = {}  # name -> max |diff| for models known not to be bitwise
 
 
 # -- the subprocess ------------------------------------------------------------------

@@ -217,7 +217,9 @@ def rewrite_graph_def(
                 continue
             op, idx = _split(inp)
             bound = latest.get(op, op)
-            if k > 0 and bound == op and chain_triggers:
+            if k > 0 and bound == op and chain_triggers and originals[op].op not in _CONSTS:
+                # (a constant is not gated: the gate would hide it from constant
+                # folding and the arithmetic optimizer's constant rewrites)
                 key = (inp, tuple(chain_triggers))
                 gate = gates.get(key)
                 if gate is None:
@@ -259,6 +261,7 @@ def rewrite_graph_def(
             ):
                 pending_small.append(node.name)
     _anchor_ordering_edges(new, graph_def, set(gates.values()), dtypes, position)
+    _restore_fanout(new, graph_def, dtypes)
     return new, RewriteInfo(copies=n_copies, gates=len(gates), rewired_inputs=n_rewired)
 
 
@@ -281,6 +284,61 @@ _REWRITTEN_SOURCES = frozenset(
 # when no member has or drives a control dependency.
 _ADD_FAMILY = frozenset({"Add", "AddV2", "AddN"})
 _MUL_FAMILY = frozenset({"Mul"})
+
+
+FANOUT_SINK = "tfremat_fanout_sink"
+
+
+def _restore_fanout(new, graph_def, dtypes) -> None:
+    """Give every op (original or copy) at least as many consumers as the original op had.
+
+    Measured on a Keras Transformer: once the backward GELU read a recomputed copy of
+    ``Gelu/mul = 0.5 * x``, the original kept a single consumer, so the arithmetic
+    optimizer absorbed it into the next product and reassociated ``(0.5*x)*erfc`` as
+    ``x*(0.5*erfc)`` in the forward pass; the copy, also with one consumer, was
+    reassociated into the gradient. Grappler decides such merges from consumer counts,
+    so each missing consumer is replaced by an unused ``Identity`` (marked
+    ``_grappler_do_not_remove``); all of them feed the control inputs of one ``NoOp``
+    that emit.py makes the outputs wait for, so the runtime does not prune them.
+    """
+    def count(gd) -> dict:
+        out: dict = {}
+        for n in gd.node:
+            for i in {i for i in n.input if not i.startswith("^")}:
+                p, idx = _split(i)
+                key = (p, int(idx[1:]) if idx else 0)
+                out[key] = out.get(key, 0) + 1
+        return out
+
+    ref = count(graph_def)
+    cur = count(new)
+    ops = {n.name: n for n in graph_def.node}
+    dummies = []
+    for n in list(new.node):
+        base = n.name.split(COPY_SEP)[0]
+        if base not in ops or ops[base].op in _CONSTS or n.name.startswith(base + COPY_SEP + "_"):
+            continue  # not an original op or a copy (gates, anchors), or a constant
+        for (p, k), want in ((key, c) for key, c in ref.items() if key[0] == base):
+            have = cur.get((n.name, k), 0)
+            types = dtypes.get(base) or []
+            if k >= len(types):
+                continue
+            for j in range(want - have):
+                d = new.node.add()
+                d.name = f"{n.name}{COPY_SEP}_fanout{k}_{j}"
+                d.op = "Identity"
+                d.input.append(n.name if k == 0 else f"{n.name}:{k}")
+                d.attr["T"].type = types[k]
+                if n.device:
+                    d.device = n.device
+                _preserved(d)
+                dummies.append(d.name)
+    if dummies:
+        sink = new.node.add()
+        sink.name = FANOUT_SINK
+        sink.op = "NoOp"
+        sink.input.extend("^" + d for d in dummies)
+        _preserved(sink)
 
 
 def _preserved(node) -> None:
