@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from ._tf import import_tf
+from .rewrite import FANOUT_SINK
 from .trace import TracedStep
 
 
@@ -43,9 +44,15 @@ def emit(traced: TracedStep, graph_def, name: str = "remat") -> Any:
         input_map = {f"{ph}:0": a for ph, a in zip(arg_names, args)}
         for handle, ph in captures:
             input_map[f"{ph}:0"] = g.capture(handle)
+        sink = [FANOUT_SINK] if any(n.name == FANOUT_SINK for n in gd.node) else []
         flat = tf.graph_util.import_graph_def(
-            gd, input_map=input_map, return_elements=outputs, name=name
+            gd, input_map=input_map, return_elements=outputs + sink, name=name
         )
+        if sink:
+            # the unused consumers tfremat.rewrite adds so Grappler sees the original
+            # consumer counts; waiting for them keeps the runtime from pruning them
+            with tf.control_dependencies([flat[-1]]):
+                flat = [tf.identity(t) for t in flat[:-1]]
         return tf.nest.pack_sequence_as(structure, list(flat), expand_composites=True)
 
     return tf.function(body, input_signature=specs, autograph=False, reduce_retracing=False)

@@ -98,6 +98,7 @@ def rewrite_graph_def(
     count: dict = {}
     latest: dict = {}
     pos_of_original: dict = {}
+    position: dict = {}  # node of the new graph (original or copy) -> schedule position
     is_copy = []
     for v in schedule:
         k = count.get(v, 0)
@@ -235,7 +236,9 @@ def rewrite_graph_def(
                 continue
             op, idx = _split(inp)
             bound = latest.get(op, op)
-            if k > 0 and bound == op and chain_triggers:
+            if k > 0 and bound == op and chain_triggers and originals[op].op not in _CONSTS:
+                # (a constant is not gated: the gate would hide it from constant
+                # folding and the arithmetic optimizer's constant rewrites)
                 key = (inp, tuple(chain_triggers))
                 gate = gates.get(key)
                 if gate is None:
@@ -258,6 +261,7 @@ def rewrite_graph_def(
                 n_rewired += 1
             node.input.append(bound + idx)
         latest[v] = node.name
+        position[node.name] = j
         # Copies are ordered too: a gate releases a whole recomputation chain at once,
         # and independent branches of it (two BatchNorm blocks' statistics) ran
         # interleaved, holding one activation more each (docs/design.md).
@@ -278,4 +282,369 @@ def rewrite_graph_def(
                 if producer_of in graph
             ):
                 pending_small.append(node.name)
+    _anchor_ordering_edges(new, graph_def, set(gates.values()), dtypes, position)
+    _restore_fanout(new, graph_def, dtypes)
     return new, RewriteInfo(copies=n_copies, gates=len(gates), rewired_inputs=n_rewired)
+
+
+_ALIAS_SOURCES = frozenset({"Identity", "IdentityN", "StopGradient", "PreventGradient", "Snapshot"})
+_STABLE_PRODUCERS = frozenset({"ReadVariableOp", "Placeholder", "_Arg", "VarHandleOp"})
+_CONSTS = frozenset({"Const", "HostConst"})
+# Elementwise ops Grappler may rewrite together with a neighbour: a search for a
+# substitute source walks through them.
+_REWRITTEN_SOURCES = frozenset(
+    {
+        "Add", "AddV2", "AddN", "Sub", "Mul", "MulNoNan", "RealDiv", "Div", "DivNoNan",
+        "Neg", "Square", "Sqrt", "Rsqrt", "Reciprocal", "Exp", "Log", "Pow", "Erf",
+        "Cast", "Maximum", "Minimum", "SquaredDifference", "Tanh", "Sigmoid",
+        "Transpose", "Reshape", "Tile", "BroadcastTo", "Select", "SelectV2", "BiasAdd",
+        "Relu", "Relu6", "Elu", "LeakyRelu", "Softplus",
+    }
+)
+# The arithmetic optimizer merges chains of these (AddOpsRewrite: Add trees into AddN;
+# MinimizeBroadcasts: reassociated Mul chains; a factor hoisted out of a sum) only
+# when no member has or drives a control dependency.
+_ADD_FAMILY = frozenset({"Add", "AddV2", "AddN"})
+_MUL_FAMILY = frozenset({"Mul"})
+
+
+FANOUT_SINK = "tfremat_fanout_sink"
+
+
+def _restore_fanout(new, graph_def, dtypes) -> None:
+    """Give every op (original or copy) at least as many consumers as the original op had.
+
+    Measured on a Keras Transformer: once the backward GELU read a recomputed copy of
+    ``Gelu/mul = 0.5 * x``, the original kept a single consumer, so the arithmetic
+    optimizer absorbed it into the next product and reassociated ``(0.5*x)*erfc`` as
+    ``x*(0.5*erfc)`` in the forward pass; the copy, also with one consumer, was
+    reassociated into the gradient. Grappler decides such merges from consumer counts,
+    so each missing consumer is replaced by an unused ``Identity`` (marked
+    ``_grappler_do_not_remove``); all of them feed the control inputs of one ``NoOp``
+    that emit.py makes the outputs wait for, so the runtime does not prune them.
+    """
+    def count(gd) -> dict:
+        out: dict = {}
+        for n in gd.node:
+            for i in {i for i in n.input if not i.startswith("^")}:
+                p, idx = _split(i)
+                key = (p, int(idx[1:]) if idx else 0)
+                out[key] = out.get(key, 0) + 1
+        return out
+
+    ref = count(graph_def)
+    cur = count(new)
+    ops = {n.name: n for n in graph_def.node}
+    dummies = []
+    for n in list(new.node):
+        base = n.name.split(COPY_SEP)[0]
+        if base not in ops or ops[base].op in _CONSTS or n.name.startswith(base + COPY_SEP + "_"):
+            continue  # not an original op or a copy (gates, anchors), or a constant
+        for (p, k), want in ((key, c) for key, c in ref.items() if key[0] == base):
+            have = cur.get((n.name, k), 0)
+            types = dtypes.get(base) or []
+            if k >= len(types):
+                continue
+            for j in range(want - have):
+                d = new.node.add()
+                d.name = f"{n.name}{COPY_SEP}_fanout{k}_{j}"
+                d.op = "Identity"
+                d.input.append(n.name if k == 0 else f"{n.name}:{k}")
+                d.attr["T"].type = types[k]
+                if n.device:
+                    d.device = n.device
+                _preserved(d)
+                dummies.append(d.name)
+    if dummies:
+        sink = new.node.add()
+        sink.name = FANOUT_SINK
+        sink.op = "NoOp"
+        sink.input.extend("^" + d for d in dummies)
+        _preserved(sink)
+
+
+def _preserved(node) -> None:
+    node.attr["_grappler_do_not_remove"].b = True
+
+
+def _anchor_ordering_edges(new, graph_def, gate_names, dtypes, position) -> None:
+    """Re-seat every ordering control edge where Grappler does not see it (in place).
+
+    Measured (docs/design.md): Grappler skips a float rewrite when an op involved has
+    or drives a control dependency. The arithmetic optimizer merges Add trees into
+    AddN and reassociates Mul chains only when no member does (Keras LayerNorm's
+    ``x*s + (b - m*s)`` and the GELU gradient's products: ~1e-6 after 3 Adam steps);
+    the remapper does not fuse MatMul+BiasAdd when the BiasAdd has a control input;
+    the dependency optimizer keeps an ``IdentityN`` that drives a control edge, and
+    with it the optimizer's Mul reassociation behind it (SGD momentum: 5e-10). An
+    ordering edge ``u -> v`` of the rewrite therefore becomes:
+
+    - nothing, when a data path already runs from ``u`` to ``v``;
+    - for a source that is an identity, edges from the ops it forwards;
+    - for a source the arithmetic optimizer may merge with a neighbour (an Add/Mul
+      family op joined to one by a single-consumer edge), an edge from the first
+      op downstream of it, outside that family and scheduled before ``v``; or
+      nothing if there is none;
+    - on the target side, a control input on an ``Identity`` gate in front of the
+      input of ``v`` whose producer no rewrite merges into ``v`` (a variable read, a
+      tensor with several consumers), so ``v`` itself has no control input. The
+      gate, and every gate in front of a recomputed chain, is marked
+      ``_grappler_do_not_remove``: otherwise the dependency optimizer removes it and
+      moves its control inputs onto ``v``. Without such an input the control input
+      stays on ``v``.
+    """
+    nodes = {n.name: n for n in new.node}
+    orig_ctrl = {n.name: {i for i in n.input if i.startswith("^")} for n in graph_def.node}
+    # Ordering edges added by the rewrite: (target, source).
+    edges = []
+    for n in new.node:
+        added = [i for i in n.input if i.startswith("^") and (n.name in gate_names or i not in orig_ctrl.get(n.name, ()))]
+        if n.name not in orig_ctrl and n.name not in gate_names:
+            # a copy: its control inputs are the original op's own
+            continue
+        for i in added:
+            edges.append((n.name, i[1:]))
+    if not edges:
+        return
+    # Data graph of the rewritten step: consumers and ancestor bitsets.
+    consumers: dict = {}
+    for n in new.node:
+        for i in n.input:
+            if not i.startswith("^"):
+                consumers.setdefault(_split(i)[0], []).append(n.name)
+    order = _topo_order(new)
+    index = {name: k for k, name in enumerate(order)}
+    anc: dict = {}
+    for name in order:
+        bits = 0
+        for i in nodes[name].input:
+            if i.startswith("^") and i not in orig_ctrl.get(name, ()):
+                continue  # an ordering edge (not a dependency of the original step)
+            p = _split(i.lstrip("^"))[0]
+            if p in index:
+                bits |= anc.get(p, 0) | (1 << index[p])
+        anc[name] = bits
+
+    def is_ancestor(u, v) -> bool:
+        return u in index and v in anc and bool(anc[v] >> index[u] & 1)
+
+    def sources(u, depth=0):
+        n = nodes.get(u)
+        if n is not None and n.op in _ALIAS_SOURCES and depth < 8:
+            out = []
+            for i in n.input:
+                if not i.startswith("^"):
+                    out += sources(_split(i)[0], depth + 1)
+            return out
+        return [u]
+
+    def dtype_of(tensor: str) -> int:
+        p, idx = _split(tensor)
+        base = p.split(COPY_SEP)[0]
+        k = int(idx[1:]) if idx else 0
+        if base in dtypes and len(dtypes[base]) > k:
+            return dtypes[base][k]
+        return nodes[p].attr["T"].type
+
+    tensor_consumers: dict = {}
+    for n in new.node:
+        for i in n.input:
+            if not i.startswith("^"):
+                p, idx = _split(i)
+                tensor_consumers.setdefault((p, int(idx[1:]) if idx else 0), []).append(n.name)
+
+    def real_consumers(u, depth=0):
+        """Consumers of u's outputs, looking through identities output by output."""
+        out = []
+        ks = {k for (p, k) in tensor_consumers if p == u} if depth == 0 else {0}
+        for k in ks:
+            out += _tensor_real_consumers(u, k, depth)
+        return sorted(set(out))
+
+    def _tensor_real_consumers(u, k, depth):
+        out = []
+        name = u if k == 0 else f"{u}:{k}"
+        for c in tensor_consumers.get((u, k), ()):
+            cn = nodes[c]
+            if cn.op in _ALIAS_SOURCES and depth < 8 and c not in gate_names:
+                for pos, i in enumerate(cn.input):
+                    if i == name or (k == 0 and i == f"{u}:0"):
+                        out += _tensor_real_consumers(c, pos if cn.op == "IdentityN" else 0, depth + 1)
+            else:
+                out.append(c)
+        return out
+
+    def real_producer(tensor, depth=0):
+        p = nodes.get(_split(tensor)[0])
+        while p is not None and p.op in _ALIAS_SOURCES and p.input and depth < 8:
+            p = nodes.get(_split(p.input[0])[0])
+            depth += 1
+        return p
+
+    def family(op):
+        if op in _ADD_FAMILY:
+            return "add"
+        if op in _MUL_FAMILY:
+            return "mul"
+        return None
+
+    def merges(p, c) -> bool:
+        """The arithmetic optimizer may merge producer p into its only consumer c:
+        same family (an Add tree, a Mul chain), a negation into an addition, or
+        products sharing a factor summed by c."""
+        fp, fc = family(p.op), family(c.op)
+        if fp is None or fc is None:
+            return False
+        if fp == fc or p.op == "Neg":
+            return True
+        if fp == "mul" and fc == "add":
+            factors = [set(nodes[_split(i)[0]].input) for i in c.input
+                       if not i.startswith("^") and nodes[_split(i)[0]].op in _MUL_FAMILY]
+            return len(factors) >= 2 and bool(set.intersection(*factors))
+        return False
+
+    def in_group(u) -> bool:
+        """u may be merged with a neighbour by the arithmetic optimizer, through
+        identities; see merges()."""
+        n = nodes[u]
+        if family(n.op) is None and n.op != "Neg":
+            return False
+        cs = real_consumers(u)
+        if len(cs) == 1 and merges(n, nodes[cs[0]]):
+            return True
+        for i in n.input:
+            if i.startswith("^"):
+                continue
+            p = real_producer(i)
+            if p is not None and len(real_consumers(p.name)) == 1 and merges(p, n):
+                return True
+        return False
+
+    def limit(v):
+        if v in gate_names:
+            # a gate runs right before the chain it feeds: bound by its consumers
+            found = [x for x in (limit(c) for c in consumers.get(v, ())) if x is not None]
+            return min(found, default=None)
+        return position.get(v)
+
+    def sibling_after(c, v) -> bool:
+        """An op sharing an input with c depends on v: Grappler may fuse the two
+        (oneDNN's Conv2DBackpropFilter + BiasAddGrad), and an edge from c to v would
+        then close a cycle."""
+        for i in nodes[c].input:
+            if i.startswith("^"):
+                continue
+            for sib in consumers.get(_split(i)[0], ()):
+                if sib != c and (sib == v or is_ancestor(v, sib)):
+                    return True
+        return False
+
+    def safe_successor(u, v):
+        """A consumer of u (transitively) that is scheduled before v and drives no rewrite."""
+        lim = limit(v)
+        if lim is None:
+            return None
+        frontier, seen = [u], {u}
+        while frontier:
+            nxt = []
+            for w in frontier:
+                for c in sorted(consumers.get(w, ()), key=lambda c: position.get(c, 1 << 30)):
+                    if c in seen or position.get(c, 1 << 30) >= lim:
+                        continue
+                    seen.add(c)
+                    if nodes[c].op in _ALIAS_SOURCES or nodes[c].op in _REWRITTEN_SOURCES:
+                        nxt.append(c)
+                    elif not sibling_after(c, v):
+                        return c
+            frontier = nxt[:64]
+        return None
+
+    def stable_input(v):
+        """The input of v to gate: its producer is never merged with v by a rewrite."""
+        best = None
+        for pos, i in enumerate(nodes[v].input):
+            if i.startswith("^"):
+                continue
+            p = nodes.get(_split(i)[0])
+            if p is None or p.op in _CONSTS:
+                continue
+            if p.op in _STABLE_PRODUCERS:
+                return pos
+            if best is None and len(consumers.get(p.name, ())) >= 2:
+                best = pos
+        return best
+
+    order_gates: dict = {}
+    by_target: dict = {}
+    for v, u in edges:
+        by_target.setdefault(v, []).append(u)
+    for v, us in by_target.items():
+        node = nodes[v]
+        srcs = []
+        for u in us:
+            for s in sources(u):
+                if s not in nodes or s == v or is_ancestor(s, v):
+                    continue
+                if in_group(s):
+                    # Driving a control edge would block the merge: a later op that
+                    # is scheduled before v anyway signals instead, or no edge.
+                    s = safe_successor(s, v)
+                    if s is None or is_ancestor(s, v):
+                        continue
+                if s not in srcs:
+                    srcs.append(s)
+        ins = [i for i in node.input if not (i.startswith("^") and i[1:] in us)]
+        if v in gate_names:
+            _preserved(node)
+            del node.input[:]
+            node.input.extend(ins + ["^" + a for a in srcs])
+            continue
+        del node.input[:]
+        node.input.extend(ins)
+        if not srcs:
+            continue
+        pos = stable_input(v)
+        if pos is None:
+            node.input.extend("^" + a for a in srcs)
+            continue
+        inp = node.input[pos]
+        key = (inp, tuple(srcs))
+        g = order_gates.get(key)
+        if g is None:
+            g = f"{v}{COPY_SEP}_order"
+            while g in nodes:
+                g += "_"
+            m = new.node.add()
+            m.name = g
+            m.op = "Identity"
+            m.input.append(inp)
+            m.input.extend("^" + a for a in srcs)
+            m.attr["T"].type = dtype_of(inp)
+            if node.device:
+                m.device = node.device
+            _preserved(m)
+            nodes[g] = m
+            order_gates[key] = g
+        node.input[pos] = g
+
+
+def _topo_order(gd) -> list:
+    names = [n.name for n in gd.node]
+    deps = {n.name: [_split(i.lstrip("^"))[0] for i in n.input] for n in gd.node}
+    indeg = {k: 0 for k in names}
+    out: dict = {}
+    for k, ds in deps.items():
+        for d in ds:
+            if d in indeg:
+                indeg[k] += 1
+                out.setdefault(d, []).append(k)
+    ready = [k for k in names if indeg[k] == 0]
+    order = []
+    while ready:
+        k = ready.pop()
+        order.append(k)
+        for c in out.get(k, ()):
+            indeg[c] -= 1
+            if indeg[c] == 0:
+                ready.append(c)
+    return order
