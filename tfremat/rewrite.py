@@ -332,7 +332,9 @@ def _restore_fanout(new, graph_def, dtypes) -> None:
                 out[key] = out.get(key, 0) + 1
         return out
 
-    ref = count(graph_def)
+    ref: dict = {}
+    for (p, k), c in count(graph_def).items():
+        ref.setdefault(p, []).append((k, c))
     cur = count(new)
     ops = {n.name: n for n in graph_def.node}
     dummies = []
@@ -340,7 +342,7 @@ def _restore_fanout(new, graph_def, dtypes) -> None:
         base = n.name.split(COPY_SEP)[0]
         if base not in ops or ops[base].op in _CONSTS or n.name.startswith(base + COPY_SEP + "_"):
             continue  # not an original op or a copy (gates, anchors), or a constant
-        for (p, k), want in ((key, c) for key, c in ref.items() if key[0] == base):
+        for k, want in ref.get(base, ()):
             have = cur.get((n.name, k), 0)
             types = dtypes.get(base) or []
             if k >= len(types):
