@@ -400,10 +400,13 @@ def _anchor_ordering_edges(new, graph_def, gate_names, dtypes, position) -> None
     # Ordering edges added by the rewrite: (target, source).
     edges = []
     for n in new.node:
-        added = [i for i in n.input if i.startswith("^") and (n.name in gate_names or i not in orig_ctrl.get(n.name, ()))]
-        if n.name not in orig_ctrl and n.name not in gate_names:
-            # a copy: its control inputs are the original op's own
-            continue
+        own = orig_ctrl.get(n.name)
+        if own is None and n.name not in gate_names:
+            base, sep, k = n.name.rpartition(COPY_SEP)
+            if not (sep and k.rstrip("_").isdigit() and base in orig_ctrl):
+                continue  # an anchor or fan-out node of this rewrite
+            own = orig_ctrl[base]  # a copy: it has the original op's control inputs
+        added = [i for i in n.input if i.startswith("^") and (n.name in gate_names or i not in own)]
         for i in added:
             edges.append((n.name, i[1:]))
     if not edges:
