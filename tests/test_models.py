@@ -42,14 +42,11 @@ LARGE = {"efficientnetb0", "vgg16", "densenet121", "resnet50"}
 # Known gaps, measured (see docs/keras.md). Each is an xfail that still runs: it
 # turns into a pass (reported as XPASS) once the gap is fixed.
 NOT_BITWISE = {
-    "resnet50": "not bitwise when last measured with recomputation (min+10 % budget, 15 ops "
-    "recomputed): the step-1 loss differed in the 6th digit; the re-seated ordering edges made "
-    "the no-recomputation step bitwise (re-check)",
-    "efficientnetb0": "step-1 loss equal, then ~1e-6 from step 2 and 1e-3 in the variables "
-    "after 3 steps: the same class as resnet50 (re-check with the re-seated ordering edges)",
-    "vgg16": "at 32x32 inputs weights and Adam slots dominate and the planner over-predicts "
-    "the update phase (smallest feasible budget 1.36x the measured baseline): nothing is "
-    "recomputed, so the test has nothing to check",
+    "efficientnetb0": "measured 2026-11-30 (32x32, batch 64, 577 ops recomputed): step-1 "
+    "loss equal, ~1e-7 at step 2, 1e-3 in the variables after 3 steps; not bisected (a "
+    "branch with 209 ops recomputed and unchained copies was bitwise)",
+    "vgg16": "at 32x32 inputs weights and Adam slots dominate (smallest feasible budget "
+    "~1.0x the measured baseline): nothing is recomputed, so the test has nothing to check",
 }
 OVER_BUDGET: dict = {}  # every model measured under budget (2026-11-30, docs/keras.md)
 CLOSE_ATOL: dict = {}  # name -> max |diff| for models known not to be bitwise
