@@ -231,12 +231,25 @@ class EvictionPlanner:
                 resident[i] = False
                 mem -= int(size[i])
 
+        def run(x: int) -> bool:
+            # Append a (re)computation of x: make room, pay, mark it resident.
+            nonlocal mem, spent
+            if not make_room(int(size[x])):
+                return False
+            spent += cost[x]
+            if spent > max_cost or len(sched) > max_len:
+                return False
+            sched.append(x)
+            resident[x] = True
+            mem += int(size[x])
+            touched.append(x)
+            return True
+
         def compute(root: int) -> bool:
             # Depth-first: before x runs, bring each input in (recomputing it, and
             # the inputs it lacks, first) and pin it. Missing inputs come first, so
             # that values already resident may still be evicted to make room for
             # those recomputations, and brought back afterwards if they were.
-            nonlocal mem, spent
             frames = [[root, inputs_first_missing(root), 0]]
             while frames:
                 f = frames[-1]
@@ -252,15 +265,8 @@ class EvictionPlanner:
                         frames.append([p, inputs_first_missing(p), 0])
                     continue
                 frames.pop()
-                if not make_room(int(size[x])):
+                if not run(x):
                     return False
-                spent += cost[x]
-                if spent > max_cost or len(sched) > max_len:
-                    return False
-                sched.append(x)
-                resident[x] = True
-                mem += int(size[x])
-                touched.append(x)
                 for p in ps:
                     prot[p] -= 1
                     # Not freed yet even if dead: another branch of this same
@@ -277,7 +283,6 @@ class EvictionPlanner:
         def compute_cone(root: int) -> bool:
             # The missing cone in depth-first post-order (missing inputs first), each
             # node once; then run it with every value pinned until its last read.
-            nonlocal mem, spent
             steps: list[int] = []
             seen = {root}
             stack = [(root, iter(inputs_first_missing(root)))]
@@ -301,15 +306,8 @@ class EvictionPlanner:
                 if resident[p]:
                     prot[p] += k
             for x in steps:
-                if not make_room(int(size[x])):
+                if not run(x):
                     return False
-                spent += cost[x]
-                if spent > max_cost or len(sched) > max_len:
-                    return False
-                sched.append(x)
-                resident[x] = True
-                mem += int(size[x])
-                touched.append(x)
                 prot[x] += uses.get(x, 0)
                 for p in preds[x]:
                     prot[p] -= 1
