@@ -85,7 +85,7 @@ def main() -> int:
         print(json.dumps(worker(*args.worker, fractions, args.repeats)))
         return 0
     optimizers = ("sgd",) if args.quick else ("sgd", "adam")
-    print("| model | opt | baseline peak | budget | predicted | measured | fits | step time | extra FLOPs | plan s |")
+    print("| model | opt | baseline peak | budget | predicted | measured | fits | step time | extra compute (cost model) | plan s |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     bad = 0
     for kind in MODELS:

@@ -156,7 +156,7 @@ def main() -> int:
     if code:
         print(out)
         return code
-    print("\n| baseline peak | budget | predicted | measured | recomputed ops | extra FLOPs | step time |")
+    print("\n| baseline peak | budget | predicted | measured | recomputed ops | extra compute (cost model) | step time |")
     print("|---|---|---|---|---|---|---|")
     print(
         f"| {r['baseline_peak'] / MiB:.1f} MiB | {budget_gib * 1024:.1f} MiB | {r['predicted'] / MiB:.1f} MiB "
