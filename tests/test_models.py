@@ -42,11 +42,6 @@ LARGE = {"efficientnetb0", "vgg16", "densenet121", "resnet50"}
 # Known gaps, measured (see docs/keras.md). Each is an xfail that still runs: it
 # turns into a pass (reported as XPASS) once the gap is fixed.
 NOT_BITWISE = {
-    "efficientnetb0": "measured 2026-11-30 (32x32, batch 64, 577 ops recomputed): step-1 "
-    "loss equal, 1e-3 in the variables after 3 steps. Without the ordering edges between "
-    "recomputed copies it is bitwise (281 ops recomputed), so one of those edges still "
-    "changes a Grappler/oneDNN rewrite; not gating Swish's shared input was tried and is "
-    "not it. Not bisected yet",
     "vgg16": "at 32x32 inputs weights and Adam slots dominate (smallest feasible budget "
     "~1.0x the measured baseline): nothing is recomputed, so the test has nothing to check",
 }
