@@ -246,14 +246,10 @@ def rewrite_graph_def(
                     while gate in taken:
                         gate += "_"
                     taken.add(gate)
-                    g = new.node.add()
-                    g.name = gate
-                    g.op = "Identity"
-                    g.input.append(inp)
-                    g.input.extend("^" + t for t in chain_triggers)
-                    g.attr["T"].type = dtypes[op][int(idx[1:]) if idx else 0]
-                    if src.device:
-                        g.device = src.device
+                    _add_identity(
+                        new, gate, inp, dtypes[op][int(idx[1:]) if idx else 0], src.device,
+                        chain_triggers,
+                    )
                     gates[key] = gate
                 node.input.append(gate)
                 continue
@@ -350,14 +346,10 @@ def _restore_fanout(new, graph_def, dtypes) -> None:
             if k >= len(types):
                 continue
             for j in range(want - have):
-                d = new.node.add()
-                d.name = f"{n.name}{COPY_SEP}_fanout{k}_{j}"
-                d.op = "Identity"
-                d.input.append(n.name if k == 0 else f"{n.name}:{k}")
-                d.attr["T"].type = types[k]
-                if n.device:
-                    d.device = n.device
-                _preserved(d)
+                d = _add_identity(
+                    new, f"{n.name}{COPY_SEP}_fanout{k}_{j}", n.name if k == 0 else f"{n.name}:{k}",
+                    types[k], n.device, preserved=True,
+                )
                 dummies.append(d.name)
     if dummies:
         sink = new.node.add()
@@ -369,6 +361,27 @@ def _restore_fanout(new, graph_def, dtypes) -> None:
 
 def _preserved(node) -> None:
     node.attr["_grappler_do_not_remove"].b = True
+
+
+def _add_identity(gd, name: str, tensor: str, dtype: int, device: str, controls=(), preserved=False):
+    """Append ``name = Identity(tensor)`` (waiting for ``controls``) to ``gd``."""
+    node = gd.node.add()
+    node.name = name
+    node.op = "Identity"
+    node.input.append(tensor)
+    node.input.extend("^" + c for c in controls)
+    node.attr["T"].type = dtype
+    if device:
+        node.device = device
+    if preserved:
+        _preserved(node)
+    return node
+
+
+def _copy_base(name: str) -> str | None:
+    """The original op of a copy named ``<op>/_remat<k>``; None for any other node."""
+    base, sep, k = name.rpartition(COPY_SEP)
+    return base if sep and k.rstrip("_").isdigit() else None
 
 
 def _anchor_ordering_edges(new, graph_def, gate_names, dtypes, position) -> None:
@@ -404,8 +417,8 @@ def _anchor_ordering_edges(new, graph_def, gate_names, dtypes, position) -> None
     for n in new.node:
         own = orig_ctrl.get(n.name)
         if own is None and n.name not in gate_names:
-            base, sep, k = n.name.rpartition(COPY_SEP)
-            if not (sep and k.rstrip("_").isdigit() and base in orig_ctrl):
+            base = _copy_base(n.name)
+            if base not in orig_ctrl:
                 continue  # an anchor or fan-out node of this rewrite
             own = orig_ctrl[base]  # a copy: it has the original op's control inputs
         added = [i for i in n.input if i.startswith("^") and (n.name in gate_names or i not in own)]
@@ -587,6 +600,15 @@ def _anchor_ordering_edges(new, graph_def, gate_names, dtypes, position) -> None
         by_target.setdefault(v, []).append(u)
     for v, us in by_target.items():
         node = nodes[v]
+        ins = [i for i in node.input if not (i.startswith("^") and i[1:] in us)]
+        if node.op in _UNORDERED_COPY_OPS and _copy_base(v) is not None:
+            # A recomputed product keeps no ordering edge (its inputs, from its own
+            # chain, still order it, and the next big allocation still waits for it):
+            # with one, EfficientNetB0's recomputed Swish and BatchNorm products were
+            # rewritten differently (1e-3 after 3 steps); without, bitwise, same peak.
+            del node.input[:]
+            node.input.extend(ins)
+            continue
         srcs = []
         for u in us:
             for s in sources(u):
@@ -600,15 +622,6 @@ def _anchor_ordering_edges(new, graph_def, gate_names, dtypes, position) -> None
                         continue
                 if s not in srcs:
                     srcs.append(s)
-        ins = [i for i in node.input if not (i.startswith("^") and i[1:] in us)]
-        if node.op in _UNORDERED_COPY_OPS and v not in gate_names and COPY_SEP in v:
-            # A recomputed product keeps no ordering edge (its inputs, from its own
-            # chain, still order it, and the next big allocation still waits for it):
-            # with one, EfficientNetB0's recomputed Swish and BatchNorm products were
-            # rewritten differently (1e-3 after 3 steps); without, bitwise, same peak.
-            del node.input[:]
-            node.input.extend(ins)
-            continue
         if v in gate_names:
             _preserved(node)
             del node.input[:]
@@ -629,16 +642,7 @@ def _anchor_ordering_edges(new, graph_def, gate_names, dtypes, position) -> None
             g = f"{v}{COPY_SEP}_order"
             while g in nodes:
                 g += "_"
-            m = new.node.add()
-            m.name = g
-            m.op = "Identity"
-            m.input.append(inp)
-            m.input.extend("^" + a for a in srcs)
-            m.attr["T"].type = dtype_of(inp)
-            if node.device:
-                m.device = node.device
-            _preserved(m)
-            nodes[g] = m
+            nodes[g] = _add_identity(new, g, inp, dtype_of(inp), node.device, srcs, preserved=True)
             order_gates[key] = g
         node.input[pos] = g
 
