@@ -131,23 +131,16 @@ def _fold_splat_constants(records, by_name, g) -> int:
     Grappler's common-subexpression pass merges equal constants, so folded splats of
     the same op kind, shape, dtype and value count once.
     """
-    const_derived: dict[str, bool] = {}
-
-    def derived(name: str) -> bool:
-        if name in const_derived:
-            return const_derived[name]
-        r = by_name.get(name)
-        const_derived[name] = False  # cycles cannot occur; this guards bad input
-        if r is None:
-            ok = False
-        elif r.op_type in ("Const", "HostConst") or r.op_type in SHAPE_ONLY_OPS:
-            ok = True
+    # Which ops compute from constants and static shapes only: one pass in creation
+    # order (a topological order), so deep graphs need no recursion.
+    derived: dict[str, bool] = {}
+    for r in records:
+        if r.op_type in ("Const", "HostConst") or r.op_type in SHAPE_ONLY_OPS:
+            derived[r.name] = True
         elif r.stateful or r.calls_function or r.op_type == "Placeholder" or not r.inputs:
-            ok = False
+            derived[r.name] = False
         else:
-            ok = all(derived(producer(t)) for t in r.inputs)
-        const_derived[name] = ok
-        return ok
+            derived[r.name] = all(derived.get(producer(t), False) for t in r.inputs)
 
     seen: set = set()
     total = 0
@@ -156,7 +149,7 @@ def _fold_splat_constants(records, by_name, g) -> int:
             continue
         out = r.outputs[0]
         if r.op_type == "Fill":
-            if len(r.inputs) != 2 or not all(derived(producer(t)) for t in r.inputs):
+            if len(r.inputs) != 2 or not all(derived.get(producer(t), False) for t in r.inputs):
                 continue
             value = by_name.get(producer(r.inputs[1]))
             value_key = value.value_digest if value is not None and value.value_digest else r.name
