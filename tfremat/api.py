@@ -213,12 +213,9 @@ class RematFunction:
 
         tf = import_tf()
         entry.replanned = True
-        held = sum(
-            int(t.shape.num_elements()) * t.dtype.size
-            for t in tf.nest.flatten(out, expand_composites=True)
-            if isinstance(t, tf.Tensor) and t.shape.is_fully_defined()
-        )
-        other = max(0, _other_live_bytes(entry.step_graph, flat) - held)
+        # The outputs the caller now holds are the step's own too.
+        outputs = [t for t in tf.nest.flatten(out, expand_composites=True) if isinstance(t, tf.Tensor)]
+        other = _other_live_bytes(entry.step_graph, list(flat) + outputs)
         if other <= entry.other_bytes + max(2**20, self.budget_bytes // 100):
             return
         try:
@@ -335,8 +332,10 @@ def _step_device() -> str:
         return "CPU:0"
 
 
-def _other_live_bytes(step_graph, flat) -> int:
-    """Bytes the allocator holds now beyond the step's own variables and arguments.
+def _other_live_bytes(step_graph, tensors) -> int:
+    """Bytes the allocator holds now beyond the step's variables and ``tensors``.
+
+    ``tensors``: the step's arguments (and, after a call, its outputs).
 
     The graph counts the step's variables, arguments and constants itself
     (``StepGraph.fixed_bytes``); the allocator's ``current`` also holds whatever else
@@ -352,10 +351,10 @@ def _other_live_bytes(step_graph, flat) -> int:
         return 0
     smallest = _SMALLEST_COUNTED_ALLOCATION[device.split(":")[0]]
     own = sum(b for b in step_graph.variable_sizes if b >= smallest)
-    for t in flat:
+    for t in tensors:
         try:
             nbytes = int(t.shape.num_elements()) * t.dtype.size
-        except (AttributeError, TypeError):
+        except (AttributeError, TypeError):  # unknown shape, or not a tensor
             nbytes = int(getattr(t, "nbytes", 0))
         if nbytes >= smallest:
             own += nbytes
