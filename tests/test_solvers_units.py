@@ -121,6 +121,17 @@ def test_cone_planner_rebuilds_each_missing_value_at_most_once_per_step(g, frac,
             assert sched.count(v) == 1
 
 
+
+def _mark_some_inplace(g, data) -> None:
+    """Make some ops elementwise and in place, with an input of their own size (as TF's
+    Relu, Add, ...): the simulator lets them take over that input's buffer."""
+    for v in g:
+        if data.draw(st.integers(0, 3)) == 0:
+            ins = list(g.predecessors(v))
+            if ins:
+                g.nodes[v]["inplace"] = True
+                g.nodes[v]["bytes"] = g.nodes[ins[0]]["bytes"]
+
 @given(g=st.one_of(training_graphs(), dags()), frac=st.floats(0.2, 1.0), seed=st.integers(0, 99),
        fixed=st.sampled_from([0, 16]), data=st.data())
 def test_once_lower_bound_holds_for_schedules_that_run_those_nodes_once(g, frac, seed, fixed, data):
@@ -130,14 +141,7 @@ def test_once_lower_bound_holds_for_schedules_that_run_those_nodes_once(g, frac,
     from tfremat.solvers.bounds import backward_once, once_lower_bound
     from tfremat.solvers.evict import memory_greedy_order
 
-    # Some ops elementwise and in place, with an input of their own size (as TF's
-    # Relu, Add, ...): the simulator lets them take over that input's buffer.
-    for v in g:
-        if data.draw(st.integers(0, 3)) == 0:
-            ins = list(g.predecessors(v))
-            if ins:
-                g.nodes[v]["inplace"] = True
-                g.nodes[v]["bytes"] = g.nodes[ins[0]]["bytes"]
+    _mark_some_inplace(g, data)
 
     hard = once_lower_bound(g, fixed)  # non-recomputable nodes: every schedule
     soft = once_lower_bound(g, fixed, once=backward_once)
@@ -188,12 +192,7 @@ def test_once_lower_bound_counts_a_gradient_held_across_a_branch():
 def test_fixed_order_lower_bound_holds_for_plans_in_reference_order(g, frac, fixed, data):
     from tfremat.solvers.bounds import backward_once, fixed_order_lower_bound, once_lower_bound
 
-    for v in g:
-        if data.draw(st.integers(0, 3)) == 0:
-            ins = list(g.predecessors(v))
-            if ins:
-                g.nodes[v]["inplace"] = True
-                g.nodes[v]["bytes"] = g.nodes[ins[0]]["bytes"]
+    _mark_some_inplace(g, data)
     hard = fixed_order_lower_bound(g, fixed)
     soft = fixed_order_lower_bound(g, fixed, once=backward_once)
     assert once_lower_bound(g, fixed) <= hard <= soft

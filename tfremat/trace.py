@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import inspect
+import math
 from typing import Any, Callable
 
 from ._tf import import_tf
@@ -150,9 +151,9 @@ def _list_bytes(op, index: int, functions: dict) -> int:
     iteration, and returned as a loop output that lives until the gradient loop pops
     it (an LSTM's gates and states: most of its activations). An accumulator of a
     tensor that aliases one the step holds anyway (a variable read) holds no new
-    memory. A list created with
-    ``TensorListReserve`` holds ``num_elements`` elements. Lists whose size the graph
-    does not give statically count as 0 bytes (a documented limit).
+    memory. A list created with ``TensorListReserve`` holds ``num_elements``
+    elements. Lists whose size the graph does not give statically count as 0 bytes (a
+    documented limit).
     """
     tf = import_tf()
     if index >= len(op.inputs):
@@ -179,10 +180,7 @@ def _list_bytes(op, index: int, functions: dict) -> int:
         n = _trip_count(op)
     if not n:
         return 0
-    elems = 1
-    for d in dims:
-        elems *= d
-    return int(elems * tf.as_dtype(src.op.get_attr("element_dtype")).size * n)
+    return int(math.prod(dims) * tf.as_dtype(src.op.get_attr("element_dtype")).size * n)
 
 
 def _output_infos(op, functions: dict) -> tuple[TensorInfo, ...]:
