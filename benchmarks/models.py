@@ -153,35 +153,102 @@ def worker_probe(name: str, method: str, batch: int, cap_mb: int) -> None:
         sys.exit(3)
 
 
-def probe(name, method, batch, cap_mb) -> bool:
-    env = dict(
+def _bfc_env(limit_mb: int) -> dict:
+    """A process whose CPU allocator is BFC with ``limit_mb``: every allocation counted."""
+    return dict(
         os.environ,
         TF_CPP_MIN_LOG_LEVEL="3",
         TF_CPU_ALLOCATOR_USE_BFC="true",
-        TF_CPU_BFC_MEM_LIMIT_IN_MB=str(cap_mb),
+        TF_CPU_BFC_MEM_LIMIT_IN_MB=str(limit_mb),
         TF_ENABLE_ONEDNN_OPTS="0",
     )
+
+
+def probe(name, method, batch, cap_mb) -> bool:
     try:
         r = subprocess.run(
             [sys.executable, __file__, "--probe", name, method, str(batch), str(cap_mb)],
-            env=env, capture_output=True, text=True, timeout=900,
+            env=_bfc_env(cap_mb), capture_output=True, text=True, timeout=900,
         )
     except subprocess.TimeoutExpired:
         return False
     return r.returncode == 0
 
 
-def largest_batch(name, method, cap_mb, step=8, start=16, limit=4096) -> int:
-    ok, bad = 0, None
-    b = start
-    while b <= limit and probe(name, method, b, cap_mb):
-        ok, b = b, b * 2
-    bad = b
-    while bad - ok > step:
+def worker_scale(name: str, batches=(8, 16)) -> list:
+    """Keras' own step's peak at two batch sizes (BFC, no cap): where to start a search."""
+    keras, tf = _setup()
+    model = _make(name)
+    peaks = []
+    for b in batches:
+        x, y = _data(name, b)
+        model.train_on_batch(x, y)  # slots and the traced step exist before measuring
+        tf.config.experimental.reset_memory_stats("CPU:0")
+        model.train_on_batch(x, y)
+        peaks.append(int(tf.config.experimental.get_memory_info("CPU:0")["peak"]))
+    return peaks
+
+
+def guess_batch(name, cap_mb, batches=(8, 16), step=8) -> int:
+    """The batch at which Keras' step would reach the cap, from a straight line through
+    its peaks at two small batches (peak = fixed + per-sample bytes x batch)."""
+    r = subprocess.run([sys.executable, __file__, "--scale-worker", name], env=_bfc_env(16384),
+                       capture_output=True, text=True)
+    rows = [l for l in r.stdout.splitlines() if l.startswith("[")]
+    if not rows:
+        return 16
+    (b0, b1), (p0, p1) = batches, json.loads(rows[-1])
+    per_sample = max((p1 - p0) / (b1 - b0), 1.0)
+    b = (cap_mb * 2**20 - (p0 - per_sample * b0)) / per_sample
+    return max(step, int(b) // step * step)
+
+
+def largest_batch(name, method, cap_mb, start=16, grow=2.0, step=8, rel=0.04, limit=8192, tried=None) -> int:
+    """Largest multiple of ``step`` that trains under the cap, to within ``rel`` of it.
+
+    Starts at ``start`` (a guess: the line through Keras' small-batch peaks, or the
+    result of a method known to need more memory), grows or shrinks it by ``grow`` to
+    bracket the answer, then bisects until the bracket is narrower than ``max(step, rel x batch)``.
+    A method that fails at ``step`` itself (``RematScope`` full in graph mode) is 0.
+    Each batch tried is appended to ``tried`` (one process each).
+    """
+    tried = [] if tried is None else tried
+
+    def fits(batch):
+        tried.append(batch)
+        return probe(name, method, batch, cap_mb)
+
+    start = max(step, start // step * step)
+
+    def up(b):
+        return max(b + step, int(b * grow) // step * step)
+
+    def down(b):
+        return max(step, int(b / grow) // step * step)
+
+    if fits(start):
+        ok, bad = start, None
+        while bad is None:
+            if up(ok) > limit:
+                return ok
+            if fits(up(ok)):
+                ok = up(ok)
+            else:
+                bad = up(ok)
+    else:
+        if start == step or not fits(step):
+            return 0
+        ok, bad = step, start
+        while down(bad) > ok:
+            if fits(down(bad)):
+                ok = down(bad)
+                break
+            bad = down(bad)
+    while bad - ok > max(step, rel * ok):
         mid = (ok + bad) // 2 // step * step
         if mid <= ok:
             break
-        if probe(name, method, mid, cap_mb):
+        if fits(mid):
             ok = mid
         else:
             bad = mid
@@ -193,9 +260,16 @@ def main():
     ap.add_argument("--models", nargs="*", default=["cnn", "transformer", "mobilenetv2"])
     ap.add_argument("--cap-models", nargs="*", default=["cnn", "transformer"])
     ap.add_argument("--cap-mb", type=int, default=256)
+    ap.add_argument("--cap", nargs="*", default=[], metavar="MODEL=MB",
+                    help="a cap for one model (the keras.applications models need more than --cap-mb "
+                         "for their weights and Adam slots)")
+    ap.add_argument("--allocator", choices=["default", "bfc"], default="default",
+                    help="part 1's CPU allocator: TF's default (its statistics leave out allocations "
+                         "under 256 KiB) or BFC with no practical limit (counts every allocation)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--probe", nargs=4, help=argparse.SUPPRESS)
     ap.add_argument("--table-worker", nargs=3, help=argparse.SUPPRESS)
+    ap.add_argument("--scale-worker", nargs=1, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.probe:
         name, method, batch, cap = a.probe
@@ -205,6 +279,10 @@ def main():
         name, role, baseline = a.table_worker
         print(json.dumps(worker_table(name, role, int(baseline))))
         return
+    if a.scale_worker:
+        print(json.dumps(worker_scale(a.scale_worker[0])))
+        return
+    caps = {m: int(mb) for m, mb in (c.split("=", 1) for c in a.cap)}
 
     mib = 2**20
     lines = [
@@ -212,11 +290,15 @@ def main():
         "",
         "Command: `python benchmarks/models.py " + " ".join(sys.argv[1:]) + "`",
         "",
-        "| model | batch | baseline peak MiB | fixed MiB | budget MiB | predicted MiB | measured MiB | measured <= budget | step-time ratio | recomputed ops |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        f"Allocator: {a.allocator}" + (" (TF_CPU_ALLOCATOR_USE_BFC=true TF_CPU_BFC_MEM_LIMIT_IN_MB=16384 "
+                                       "TF_ENABLE_ONEDNN_OPTS=0: every allocation counted)" if a.allocator == "bfc"
+                                       else " (its statistics leave out allocations under 256 KiB)"),
+        "",
+        "| model | batch | baseline peak MiB | fixed MiB | budget MiB | predicted MiB | measured MiB | measured <= budget | predicted / measured | step-time ratio | recomputed ops |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     def run_worker(*args):
-        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+        env = _bfc_env(16384) if a.allocator == "bfc" else dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
         r = subprocess.run([sys.executable, __file__, "--table-worker", *map(str, args)], env=env, capture_output=True, text=True)
         rows = [l for l in r.stdout.splitlines() if l.startswith("{")]
         if not rows:
@@ -236,22 +318,28 @@ def main():
             f"| {name} | {d['batch']} | {d['baseline'] / mib:.1f} | {d['fixed'] / mib:.1f} | "
             f"{d['budget'] / mib:.1f} ({budget_note}) | "
             f"{d['predicted'] / mib:.1f} | {d['measured'] / mib:.1f} | {'yes' if d['measured'] <= d['budget'] else 'NO'} | "
+            f"{d['predicted'] / d['measured']:.2f} | "
             f"{d['time'] / ref['time']:.2f} | {d['recomputed']} |"
         )
         print(lines[-1], flush=True)
     if a.cap_models:
         lines += [
             "",
-            f"Largest batch (multiple of 8) that trains 2 steps under a {a.cap_mb} MiB CPU allocator cap:",
+            "Largest batch (multiple of 8, to within 4 %) that trains 2 steps under a CPU allocator cap:",
             "",
-            "| model | no remat | RematScope full | RematScope activations | tfremat (budget 0.9 x cap) | tfremat / no remat |",
-            "|---|---|---|---|---|---|",
+            "| model | cap MiB | no remat | RematScope full | RematScope activations | tfremat (budget 0.9 x cap) | tfremat / no remat | probes |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         for name in a.cap_models:
-            res = {m: largest_batch(name, m, a.cap_mb) for m in ("none", "rematscope:full", "rematscope:activations", "tfremat")}
+            cap = caps.get(name, a.cap_mb)
+            tried: list = []
+            res = {"none": largest_batch(name, "none", cap, start=guess_batch(name, cap), grow=1.25, tried=tried)}
+            for m in ("rematscope:full", "rematscope:activations", "tfremat"):
+                res[m] = largest_batch(name, m, cap, start=max(res["none"], 8), tried=tried)
             ratio = res["tfremat"] / res["none"] if res["none"] else float("inf")
             lines.append(
-                f"| {name} | {res['none']} | {res['rematscope:full']} | {res['rematscope:activations']} | {res['tfremat']} | {ratio:.2f} |"
+                f"| {name} | {cap} | {res['none']} | {res['rematscope:full']} | {res['rematscope:activations']} | "
+                f"{res['tfremat']} | {ratio:.2f} | {len(tried)} |"
             )
             print(lines[-1], flush=True)
     text = "\n".join(lines) + "\n"
