@@ -182,3 +182,49 @@ def test_replans_when_memory_outside_the_step_grew_during_the_first_call(monkeyp
     refs = [ref_step(x, y) for _ in range(3)]
     for a, b in zip(outs, refs):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_replans_when_the_first_call_measures_over_the_budget(monkeypatch):
+    """A measured peak the model did not predict (kernel scratch space): the next
+    calls keep that much more free; a call that sets no new high-water mark, or a
+    plan that already re-planned twice, plans nothing more."""
+    import tfremat.api as api
+
+    x, y = make_data("mlp", batch=2048, width=256)
+    _, ref_step = make_step("mlp", "sgd", layers=8, width=256)
+    _, step = make_step("mlp", "sgd", layers=8, width=256)
+    probe = tfremat.remat(step, budget_gib=1.0).get_plan(x, y)
+    budget = (probe.fixed_bytes + 0.9 * (probe.baseline_peak_bytes - probe.fixed_bytes)) / 0.95
+    fn = tfremat.remat(step, budget_gib=budget / 2**30)
+    first = fn.get_plan(x, y)
+    over = int(budget) + 2**20  # the first call went 1 MiB over the budget
+    peaks = iter([0, over, over, over])  # before/after call 1, before/after call 2
+    monkeypatch.setattr(api, "_allocator_peak_bytes", lambda device="CPU:0": next(peaks))
+    outs = [fn(x, y) for _ in range(3)]
+    second = fn.get_plan(x, y)
+    assert next(peaks, None) is None, "measured around the first call of each new function only"
+    allowance = over - first.predicted_peak_bytes
+    margin = fn._margin(fn.budget_bytes, list(fn._cache.values())[0].step_graph.graph)
+    assert second.predicted_peak_bytes <= fn.budget_bytes - margin - allowance
+    assert len(second.recomputed) > len(first.recomputed)
+    assert "beyond the plan's prediction" in fn.explain(x, y)
+    refs = [ref_step(x, y) for _ in range(3)]
+    for a, b in zip(outs, refs):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_measured_overshoot_with_no_room_left_warns_and_keeps_the_plan(monkeypatch):
+    import tfremat.api as api
+
+    x, y = make_data("mlp", batch=2048, width=256)
+    _, step = make_step("mlp", "sgd", layers=8, width=256)
+    probe = tfremat.remat(step, budget_gib=1.0).get_plan(x, y)
+    fn = tfremat.remat(step, budget_gib=probe.baseline_peak_bytes / 2**30)
+    first = fn.get_plan(x, y)
+    # a peak far over anything a plan can save
+    peaks = iter([0, 10 * probe.baseline_peak_bytes])
+    monkeypatch.setattr(api, "_allocator_peak_bytes", lambda device="CPU:0": next(peaks, 0))
+    with pytest.warns(RuntimeWarning, match="no plan fits the budget with that room"):
+        fn(x, y)
+    assert fn.get_plan(x, y) is first
+    fn(x, y)  # no new function: no second measurement, no second warning
