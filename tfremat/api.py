@@ -73,6 +73,7 @@ class _Entry:
     replanned: bool = False  # the check after the first call has run
     allowance: int = 0  # measured peak bytes the memory model does not see
     calibrations: int = 0  # re-plans for a measured peak over the budget
+    device: str = "CPU:0"  # whose allocator measures the step
 
 
 class RematFunction:
@@ -114,9 +115,19 @@ class RematFunction:
 
         entry = self._entry(args, kwargs)
         flat = flat_tensor_args(entry.traced.python_function, args, kwargs)
-        if entry.checked:
+        if not entry.checked:
+            return self._first_call(entry, flat)
+        if entry.calibrations >= _MAX_CALIBRATIONS:
             return entry.fn(*flat)
-        return self._first_call(entry, flat)
+        # Every call is measured until the re-plans are spent: the allocator's chunks
+        # differ from call to call (BFC, every allocation counted: the Transformer's
+        # later calls measured 23.7-29.2 MiB for one plan, the first 22.8).
+        before = _allocator_peak_bytes(entry.device)
+        out = entry.fn(*flat)
+        after = _allocator_peak_bytes(entry.device)
+        if after > before and after > self.budget_bytes:
+            self._check_after_call(entry, flat, out, after)
+        return out
 
     def get_plan(self, *args, **kwargs) -> Plan:
         """The plan used for these arguments (traces and solves on first use).
@@ -191,7 +202,7 @@ class RematFunction:
         from .rewrite import rewrite_graph_def
 
         tf = import_tf()
-        device = _step_device()
+        device = entry.device = _step_device()
         peak_before = _allocator_peak_bytes(device)
         try:
             out = entry.fn(*flat)
@@ -221,7 +232,7 @@ class RematFunction:
         return out
 
     def _check_after_call(self, entry: _Entry, flat, out, measured: int | None) -> None:
-        """Plan again when a new function's first call shows the plan does not hold.
+        """Plan again when a call shows the plan does not hold.
 
         Two things only a run shows:
 
@@ -230,15 +241,19 @@ class RematFunction:
           zeros buffer until their first update) get it during the first call.
           Measured on EfficientNetB0 planned next to another model's leftovers: the
           first step fit, every later one ran 28 MiB over its plan.
-        - The measured peak ate into the margin: memory the model does not see,
-          such as a kernel's scratch buffers. Measured on the BatchNorm CNN with
+        - A call's measured peak went over the budget (checked on every call until
+          the re-plans are spent): memory the model does not see, such as a
+          kernel's scratch buffers or the allocator's unsplit chunks. Measured on the BatchNorm CNN with
           oneDNN off: Eigen's ``Conv2DBackpropFilter`` allocates a 27 MiB column
           buffer, which BFC served from a 47 MiB chunk, and the step ran 21 MiB over
           its prediction and 6 MiB over the budget. The excess over the prediction
           is kept free in the next plan (at most ``_MAX_CALIBRATIONS`` times per
           entry), so the next calls fit.
 
-        The next calls use the new plan; its own first call is checked the same way.
+        The next calls use the new plan. The measured peak is the allocator's
+        high-water mark, which tfremat never resets, so a call is measured only when
+        it raises the mark; after one over the budget, a later peak under that mark
+        is not seen (the new plan keeps the same excess free).
         """
         from ._tf import import_tf
         from .emit import emit
@@ -255,10 +270,12 @@ class RematFunction:
                 other = now
         allowance = entry.allowance
         if measured is not None and entry.calibrations < _MAX_CALIBRATIONS:
-            margin = self._margin(self.budget_bytes, entry.step_graph.graph)
             # The prediction with the memory now held outside the step.
             predicted = entry.plan.predicted_peak_bytes + max(0, other - entry.other_bytes)
-            if measured > self.budget_bytes - margin // 2 and measured > predicted:
+            # Only a peak over the budget: one under it may be the allocator's chunk
+            # luck (the Transformer's first call: 23.5 MiB under a 23.7 MiB budget,
+            # 18.5-21 MiB on the calls after it).
+            if measured > self.budget_bytes and measured > predicted:
                 allowance += measured - predicted
                 entry.calibrations += 1
         if other == entry.other_bytes and allowance == entry.allowance:
@@ -270,7 +287,7 @@ class RematFunction:
                 why = (f"memory held outside the step grew by "
                        f"{(other - entry.other_bytes) / 2**20:.1f} MiB during the first call")
             else:
-                why = (f"the first call's measured peak, {measured / 2**20:.1f} MiB, used "
+                why = (f"a call's measured peak, {measured / 2**20:.1f} MiB, used "
                        f"{(allowance - entry.allowance) / 2**20:.1f} MiB more than the plan "
                        "predicts (kernel scratch space, allocator chunks)")
             warnings.warn(
