@@ -33,7 +33,7 @@ MODELS = {
     "cnn_fp16": (64, (32, 32, 3)),
     "mobilenetv2": (64, (32, 32, 3)),
     "efficientnetb0": (64, (32, 32, 3)),
-    "vgg16": (32, (32, 32, 3)),
+    "vgg16": (32, (64, 64, 3)),
     "densenet121": (32, (32, 32, 3)),
     "resnet50": (32, (32, 32, 3)),
 }
@@ -41,10 +41,12 @@ LARGE = {"efficientnetb0", "vgg16", "densenet121", "resnet50"}
 
 # Known gaps, measured (see docs/keras.md). Each is an xfail that still runs: it
 # turns into a pass (reported as XPASS) once the gap is fixed.
-NOT_BITWISE = {
-    "vgg16": "at 32x32 inputs weights and Adam slots dominate (smallest feasible budget "
-    "~1.0x the measured baseline): nothing is recomputed, so the test has nothing to check",
-}
+NOT_BITWISE: dict = {}  # every model bitwise equal (2026-11-30, docs/keras.md)
+# The smallest budget + SLACK where 60 % is infeasible (default 10 %). VGG16's weights
+# and Adam slots are half its peak even at 64x64: at the smallest budget + 10 % the
+# plan recomputes nothing (the budget is 0.98x the baseline) and the bitwise test
+# would check nothing; + 2 % recomputes 5 ops.
+SLACK = {"vgg16": 0.02}
 OVER_BUDGET: dict = {}  # every model measured under budget (2026-11-30, docs/keras.md)
 CLOSE_ATOL: dict = {}  # name -> max |diff| for models known not to be bitwise
 
@@ -89,8 +91,9 @@ def _builders():
         return keras.Model(inp, L.Dense(10)(L.GlobalAveragePooling2D()(h)))
 
     def app(cls):
+        name = cls.lower()
         return lambda: getattr(keras.applications, cls)(
-            weights=None, input_shape=(32, 32, 3), classes=10
+            weights=None, input_shape=MODELS[name][1], classes=10
         )
 
     return {
@@ -106,11 +109,12 @@ def _builders():
     }
 
 
-def _check(name: str, fraction: float, role: str, state_file: str) -> dict:
+def _check(name: str, fraction: float, role: str, state_file: str, slack: float = 0.1) -> dict:
     """Train ``name`` for 3 steps: Keras' own step (role "reference") or tfremat's.
 
     tfremat's budget is ``fraction`` of the reference's peak, or the solver's smallest
-    budget + 10 % when that is infeasible; ``fraction=0``: the smallest + 10 %.
+    budget + ``slack`` (10 %) when that is infeasible; ``fraction=0``: the smallest +
+    ``slack``.
 
     The reference runs in its own process and leaves its logs, peaks and final
     variables in ``state_file``: the allocator's ``current`` counts everything the
@@ -174,7 +178,7 @@ def _check(name: str, fraction: float, role: str, state_file: str) -> dict:
     except tfremat.InfeasibleBudgetError as e:
         out["infeasible_at_fraction"] = True
         out["min_feasible"] = e.min_feasible_bytes
-        budget = 1.1 * e.min_feasible_bytes
+        budget = (1 + slack) * e.min_feasible_bytes
         tfremat.keras.remat(model, budget_gib=budget / 2**30)
         plan = tfremat.keras.get_plan(model, x, y)
     logs, peaks, state, _ = train(model)
@@ -227,7 +231,7 @@ def _reference(name: str) -> str:
 def _run(name: str, fraction: float, role: str, state: str) -> str:
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
     proc = subprocess.run(
-        [sys.executable, __file__, name, str(fraction), role, state],
+        [sys.executable, __file__, name, str(fraction), role, state, str(SLACK.get(name, 0.1))],
         capture_output=True,
         text=True,
         timeout=1200,
@@ -282,7 +286,7 @@ def test_close_to_keras_where_not_bitwise(name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fraction", [FRACTION, 0], ids=["sixty_percent", "smallest_plus_10_percent"])
+@pytest.mark.parametrize("fraction", [FRACTION, 0], ids=["sixty_percent", "smallest_plus_slack"])
 @pytest.mark.parametrize(
     "name", [pytest.param(m, marks=_marks(m, OVER_BUDGET)) for m in _selected()]
 )
@@ -314,4 +318,4 @@ def test_budget_at_sixty_percent_of_baseline(name):
 
 if __name__ == "__main__":
     # python tests/test_models.py NAME FRACTION reference|remat STATE_FILE
-    print(json.dumps(_check(sys.argv[1], float(sys.argv[2]), sys.argv[3], sys.argv[4])))
+    print(json.dumps(_check(sys.argv[1], float(sys.argv[2]), sys.argv[3], sys.argv[4], *map(float, sys.argv[5:]))))
