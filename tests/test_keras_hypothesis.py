@@ -118,3 +118,16 @@ def test_dense_batchnorm_sgd_bitwise():
         spec=([("conv", 4, 0, 0), ("conv", 4, 0, 0)], [("dense", 8), ("dense_bn", 8)], "sgd"),
         seed=0,
     )
+
+
+def test_common_subexpression_bitwise():
+    """Found by this test's random search (dev profile; 2e-8 in a BatchNorm beta after 2
+    Adam steps): ``input + BatchNorm(input)`` twice. Grappler merges the two ``Add``
+    ops in Keras' step; an ordering gate on one of them kept them apart, and the
+    gradients meeting at the BatchNorm were summed differently. Ops with such a twin
+    get no ordering edge (tfremat/rewrite.py, ``_cse_twins``)."""
+    test_random_keras_models_bitwise_equal.hypothesis.inner_test(
+        spec=([("bn", 4, 0, 0), ("add", 4, 0, 1), ("add", 4, 0, 1), ("relu", 8, 2, 0), ("concat", 4, 3, 4)],
+              [("dense_dropout", 8)], "adam"),
+        seed=5525,
+    )

@@ -223,6 +223,7 @@ def build_graph(records: Sequence[OpRecord], argument_ops: Iterable[str] = ()) -
             bytes=int(out_bytes),
             cost=op_cost(r.op_type, in_shapes, [t.shape for t in r.outputs], r.equation),
             recomputable=recomputable,
+            stateful=bool(r.stateful or r.calls_function),
             phase="forward",
             alias=alias,
             inplace=r.op_type in INPLACE_OPS,

@@ -278,7 +278,7 @@ def rewrite_graph_def(
                 if producer_of in graph
             ):
                 pending_small.append(node.name)
-    _anchor_ordering_edges(new, graph_def, set(gates.values()), dtypes, position)
+    _anchor_ordering_edges(new, graph_def, set(gates.values()), dtypes, position, _cse_twins(graph_def, graph))
     _restore_fanout(new, graph_def, dtypes)
     return new, RewriteInfo(copies=n_copies, gates=len(gates), rewired_inputs=n_rewired)
 
@@ -384,7 +384,44 @@ def _copy_base(name: str) -> str | None:
     return base if sep and k.rstrip("_").isdigit() else None
 
 
-def _anchor_ordering_edges(new, graph_def, gate_names, dtypes, position) -> None:
+_COMMUTATIVE = frozenset({"Add", "AddV2", "AddN", "Mul", "Maximum", "Minimum"})
+
+
+def _cse_twins(graph_def, graph: nx.DiGraph) -> set:
+    """Ops of ``graph_def`` that Grappler's common-subexpression elimination may merge
+    with another: same op, attributes and (canonical) inputs, neither stateful.
+
+    An ordering edge on one of them makes them differ (a control input, or an
+    ``Identity`` gate on an input), so the original step merges them and the rewritten
+    one does not, and the gradients that meet there are then summed differently.
+    Found by the random Keras-model test: ``x + BatchNorm(x)`` written twice; a gate on
+    the second ``Add`` made a BatchNorm beta differ by 2e-8 after 2 Adam steps.
+    """
+    by_name = {n.name: n for n in graph_def.node}
+    rep: dict = {}
+    groups: dict = {}
+    for name in _topo_order(graph_def):
+        n = by_name[name]
+        data = [_split(i) for i in n.input if not i.startswith("^")]
+        data = [(rep.get(p, p), k or ":0") for p, k in data]
+        if n.op in _COMMUTATIVE:
+            data = sorted(data)
+        ctrl = sorted(rep.get(i[1:], i[1:]) for i in n.input if i.startswith("^"))
+        attrs = tuple(sorted((k, v.SerializeToString(deterministic=True)) for k, v in n.attr.items()))
+        stateful = graph.nodes[name].get("stateful", True) if name in graph else n.op not in _CONSTS
+        if stateful or n.op in ("Placeholder", "_Arg"):  # arguments are never merged
+            rep[name] = name
+            continue
+        key = (n.op, n.device, tuple(data), tuple(ctrl), attrs)
+        first = groups.setdefault(key, name)
+        rep[name] = first
+    members: dict = {}
+    for name, r in rep.items():
+        members.setdefault(r, []).append(name)
+    return {name for ms in members.values() if len(ms) > 1 for name in ms}
+
+
+def _anchor_ordering_edges(new, graph_def, gate_names, dtypes, position, twins=frozenset()) -> None:
     """Re-seat every ordering control edge where Grappler does not see it (in place).
 
     Measured (docs/design.md): Grappler skips a float rewrite when an op involved has
@@ -409,6 +446,9 @@ def _anchor_ordering_edges(new, graph_def, gate_names, dtypes, position) -> None
       ``_grappler_do_not_remove``: otherwise the dependency optimizer removes it and
       moves its control inputs onto ``v``. Without such an input the control input
       stays on ``v``.
+
+    An op with a common-subexpression twin (``twins``, see :func:`_cse_twins`) gets
+    no ordering edge: either would keep Grappler from merging the two.
     """
     nodes = {n.name: n for n in new.node}
     orig_ctrl = {n.name: {i for i in n.input if i.startswith("^")} for n in graph_def.node}
@@ -601,6 +641,10 @@ def _anchor_ordering_edges(new, graph_def, gate_names, dtypes, position) -> None
     for v, us in by_target.items():
         node = nodes[v]
         ins = [i for i in node.input if not (i.startswith("^") and i[1:] in us)]
+        if v in twins:
+            del node.input[:]
+            node.input.extend(ins)
+            continue
         if node.op in _UNORDERED_COPY_OPS and _copy_base(v) is not None:
             # A recomputed product keeps no ordering edge (its inputs, from its own
             # chain, still order it, and the next big allocation still waits for it):
