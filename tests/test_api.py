@@ -229,3 +229,34 @@ def test_measured_overshoot_with_no_room_left_warns_and_keeps_the_plan(monkeypat
         fn(x, y)
     assert fn.get_plan(x, y) is first
     fn(x, y)  # no new function: no second measurement, no second warning
+
+
+def test_a_replan_that_grappler_cannot_run_keeps_the_plan_before(monkeypatch):
+    """A re-planned step whose rewrite closes a cycle in Grappler, strict and minimal
+    ordering alike, goes back to the plan that ran before it."""
+    import tensorflow as tf
+
+    import tfremat.api as api
+    import tfremat.emit
+
+    x, y = make_data("mlp", batch=2048, width=256)
+    _, ref_step = make_step("mlp", "sgd", layers=8, width=256)
+    _, step = make_step("mlp", "sgd", layers=8, width=256)
+    probe = tfremat.remat(step, budget_gib=1.0).get_plan(x, y)
+    budget = (probe.fixed_bytes + 0.9 * (probe.baseline_peak_bytes - probe.fixed_bytes)) / 0.95
+    fn = tfremat.remat(step, budget_gib=budget / 2**30)
+    first = fn.get_plan(x, y)
+    peaks = iter([0, int(budget) + 2**20])  # call 1 goes over: re-plan
+    monkeypatch.setattr(api, "_allocator_peak_bytes", lambda device="CPU:0": next(peaks, 0))
+
+    def cycle(*args):
+        raise tf.errors.InvalidArgumentError(None, None, "3 nodes in a cycle")
+
+    monkeypatch.setattr(tfremat.emit, "emit", lambda traced, gd: cycle)
+    outs = [fn(x, y)]
+    with pytest.warns(RuntimeWarning, match="keeping the plan that ran before"):
+        outs += [fn(x, y) for _ in range(2)]
+    assert fn.get_plan(x, y) is first
+    refs = [ref_step(x, y) for _ in range(3)]
+    for a, b in zip(outs, refs):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -74,6 +74,7 @@ class _Entry:
     allowance: int = 0  # measured peak bytes the memory model does not see
     calibrations: int = 0  # re-plans for a measured peak over the budget
     device: str = "CPU:0"  # whose allocator measures the step
+    previous: Any = None  # (plan, fn, rewrite_info) that ran before a re-plan
 
 
 class RematFunction:
@@ -195,7 +196,8 @@ class RematFunction:
         Grappler fuses and rewrites ops after tfremat's ordering edges are placed; a
         fusion of two ops on either side of an edge can close a cycle. That error is
         raised when the function is instantiated, before any op runs, so retrying
-        cannot apply an update twice.
+        cannot apply an update twice. If the minimal ordering cycles too, a re-planned
+        entry goes back to the plan that ran before it; a new one is a ``RematError``.
         """
         from ._tf import import_tf
         from .emit import emit
@@ -214,14 +216,30 @@ class RematFunction:
                 entry.traced.dtypes, strict=False,
             )
             entry.fn, entry.rewrite_info = emit(entry.traced, gd), info
-            warnings.warn(
+            _warn_user(
                 "tfremat: Grappler's rewrites conflicted with the strict ordering edges "
                 "(a cycle); running with minimal ordering edges, so the measured peak "
-                "may differ more from the prediction",
-                RuntimeWarning,
-                stacklevel=3,
+                "may differ more from the prediction"
             )
-            out = entry.fn(*flat)
+            try:
+                out = entry.fn(*flat)
+            except tf.errors.InvalidArgumentError as e2:
+                if "cycle" not in str(e2):
+                    raise
+                if entry.previous is None:
+                    raise RematError(
+                        f"Grappler's rewrites closed a cycle in the rewritten step even with "
+                        f"minimal ordering ({len(entry.plan.recomputed)} ops recomputed). Try "
+                        "another solver (solver='chen_greedy') or a larger budget, and please "
+                        "report the model"
+                    ) from None
+                entry.plan, entry.fn, entry.rewrite_info = entry.previous
+                entry.previous = None
+                _warn_user(
+                    "tfremat: the re-planned step closed a cycle in Grappler's rewrites; "
+                    "keeping the plan that ran before"
+                )
+                out = entry.fn(*flat)
         entry.checked = True
         # The allocator's high-water mark rose during the call: the call set it, so
         # it is the step's measured peak. Otherwise the step stayed under the earlier
@@ -290,18 +308,17 @@ class RematFunction:
                 why = (f"a call's measured peak, {measured / 2**20:.1f} MiB, used "
                        f"{(allowance - entry.allowance) / 2**20:.1f} MiB more than the plan "
                        "predicts (kernel scratch space, allocator chunks)")
-            warnings.warn(
+            _warn_user(
                 f"tfremat: {why}; no plan fits the budget with that room "
                 f"(a budget of {e.min_feasible_bytes / GIB:.3f} GiB would); keeping the "
-                "current plan, which may exceed the budget",
-                RuntimeWarning,
-                stacklevel=6,  # the caller of RematFunction.__call__
+                "current plan, which may exceed the budget"
             )
             return
         gd, info = rewrite_graph_def(
             entry.traced.graph_def, plan.schedule, entry.step_graph.graph,
             entry.traced.dtypes, strict=self.strict,
         )
+        entry.previous = (entry.plan, entry.fn, entry.rewrite_info)
         entry.plan, entry.fn, entry.rewrite_info = plan, emit(entry.traced, gd), info
         entry.other_bytes, entry.allowance = other, allowance
         entry.checked = False  # the new function gets the cycle check on its first call
@@ -390,6 +407,20 @@ class RematFunction:
 # counted in get_memory_info, so the step's small variables are not in "current".
 # GPU allocators (BFC) count every allocation.
 _SMALLEST_COUNTED_ALLOCATION = {"CPU": 256 * 1024, "GPU": 0}
+
+
+def _warn_user(message: str) -> None:
+    """A RuntimeWarning attributed to the first caller outside tfremat, TensorFlow
+    (AutoGraph's wrappers) and Keras' trainer: their depth varies with the call path."""
+    import os
+    import sys
+
+    internal = (os.path.dirname(os.path.abspath(__file__)), os.sep + "tensorflow" + os.sep,
+                os.sep + "keras" + os.sep)
+    level, f = 2, sys._getframe(1)
+    while f is not None and any(s in f.f_code.co_filename for s in internal):
+        f, level = f.f_back, level + 1
+    warnings.warn(message, RuntimeWarning, stacklevel=level)
 
 
 def _step_device() -> str:
