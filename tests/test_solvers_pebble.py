@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tfremat import Problem
+from tfremat import InfeasibleBudgetError, Problem, solve
 from tfremat.simulate import reference_simulation, simulate, single_op_lower_bound
 from tfremat.solvers.bounds import recompute_lower_bound
 from tfremat.solvers.pebble import RULES, PebbleSearch, pebble_min_budget, pebble_plan
@@ -166,3 +166,26 @@ def test_pebble_min_budget_and_plan_on_a_layered_graph():
     assert single_op_lower_bound(g) <= peak <= reference_simulation(g).peak_bytes
     plan = pebble_plan(Problem(g, peak), orders, time.perf_counter() + 5)
     assert plan is not None and simulate(g, plan).peak_bytes <= peak
+
+
+@settings(max_examples=15, deadline=None)
+@given(g=dags(min_nodes=2, max_nodes=6, nonrecomputable=False), fixed=st.sampled_from([0, 7]))
+def test_auto_meets_the_exact_minimum_budget_on_tiny_recomputable_graphs(g, fixed):
+    # Graphs without a backward phase whose every node may be recomputed: auto's
+    # fallback searches the pebble game, so it meets the optimal peak.
+    opt = exact_min_peak(g, fixed)
+    plan = solve(Problem(g, opt, fixed, time_limit_s=2), "auto")
+    assert plan.predicted_peak_bytes <= opt
+    if opt > single_op_lower_bound(g, fixed):
+        with pytest.raises(InfeasibleBudgetError) as ei:
+            solve(Problem(g, opt - 1, fixed, time_limit_s=2), "auto")
+        assert ei.value.min_feasible_bytes >= opt
+
+
+def test_auto_plans_below_the_eviction_planner_on_a_layered_graph():
+    g = layered(10, 4, seed=5)
+    import time
+
+    peak, _ = pebble_min_budget(Problem(g, 0), {"ref": g.graph["order"]}, time.perf_counter() + 5)
+    plan = solve(Problem(g, peak, time_limit_s=3), "auto")
+    assert plan.predicted_peak_bytes <= peak
