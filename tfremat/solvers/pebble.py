@@ -238,16 +238,18 @@ CONFIGS = (("ref", "late", 0.0), ("ref", "reserve", 0.1), ("low", "late", 0.1))
 
 
 def pebble_plan(problem: Problem, orders: dict, deadline: float, configs=CONFIGS):
-    """A schedule within ``problem.budget_bytes`` from the first config that finds one.
+    """The cheapest schedule within ``problem.budget_bytes`` that the configs find.
 
-    ``orders`` maps the names used in ``configs`` ("ref", "low") to orders. Returns
-    the schedule (node list) or None.
+    ``orders`` maps the names used in ``configs`` ("ref", "low") to orders. Each
+    config runs once at the budget, until ``deadline``. Returns the schedule (node
+    list) or None.
     """
     g, fixed, budget = problem.graph, problem.fixed_bytes, problem.budget_bytes
     if budget < single_op_lower_bound(g, fixed):
         return None
     lb = single_op_lower_bound(g, 0)
     searches: dict = {}
+    best = None
     for name, rule, frac in configs:
         if name not in orders or time.perf_counter() > deadline:
             continue
@@ -255,9 +257,10 @@ def pebble_plan(problem: Problem, orders: dict, deadline: float, configs=CONFIGS
         pos = ps.run(budget - fixed, rule, int(frac * lb), deadline=deadline)
         if pos is not None:
             sched = ps.nodes(pos)
-            if simulate(g, sched, fixed).peak_bytes <= budget:
-                return sched
-    return None
+            sim = simulate(g, sched, fixed)
+            if sim.peak_bytes <= budget and (best is None or sim.cost < best[0]):
+                best = (sim.cost, sched)
+    return None if best is None else best[1]
 
 
 def pebble_min_budget(problem: Problem, orders: dict, deadline: float, hi: int | None = None,
