@@ -15,6 +15,11 @@ Every candidate is scored by the simulator on the real graph. Members, in order:
    and the restarts go to whichever order and variant won.
 5. A CP-SAT polish of the best plan (fully recomputable graphs up to 400 nodes,
    when OR-Tools is installed), in the time left.
+6. When no member fits: on graphs without a backward phase whose every node may
+   be recomputed, the backward pebbling search (:mod:`.pebble`) at the budget
+   itself, whose plans may recompute a lot; failing that, the smallest budget the
+   portfolio meets (eviction bisections, and the pebbling search's own downward
+   search), raised in :class:`~tfremat.errors.InfeasibleBudgetError`.
 
 On graphs with an op that must run exactly once (TensorFlow traces: variable reads,
 placeholders, stateful and backward ops) only members 2-4 run, and every schedule
