@@ -15,6 +15,11 @@ Every candidate is scored by the simulator on the real graph. Members, in order:
    and the restarts go to whichever order and variant won.
 5. A CP-SAT polish of the best plan (fully recomputable graphs up to 400 nodes,
    when OR-Tools is installed), in the time left.
+6. When no member fits: on graphs without a backward phase whose every node may
+   be recomputed, the backward pebbling search (:mod:`.pebble`) at the budget
+   itself, whose plans may recompute a lot; failing that, the smallest budget the
+   portfolio meets (eviction bisections, and the pebbling search's own downward
+   search), raised in :class:`~tfremat.errors.InfeasibleBudgetError`.
 
 On graphs with an op that must run exactly once (TensorFlow traces: variable reads,
 placeholders, stateful and backward ops) only members 2-4 run, and every schedule
@@ -44,6 +49,7 @@ from .evict import (
     restart_search,
     variants_pass,
 )
+from .pebble import CONFIGS, LATE_CONFIGS, pebble_min_budget, pebble_plan
 from .segments import segments_solver
 
 __all__ = ["auto_solver"]
@@ -63,6 +69,13 @@ LARGE_GRAPH = 1500
 #: Fully recomputable graphs up to this size get a CP-SAT polish of the best plan
 #: in the time left (layer-level graphs; op-level traces rely on the heuristics).
 POLISH_MAX_NODES = 400
+#: When no member fits a graph without a backward phase: seconds for the pebbling
+#: search at the budget itself, then for its smallest-budget search.
+PEBBLE_PLAN_S = 3.0
+PEBBLE_MIN_S = 5.0
+#: Seconds for the pebbling search as a portfolio member (graphs without a backward
+#: phase), with its cheap rules only.
+PEBBLE_MEMBER_S = 3.0
 
 
 def _polish(problem: Problem, best, deadline: float) -> Plan | None:
@@ -152,7 +165,7 @@ def auto_solver(problem: Problem) -> Plan:
     reorder_search = reorder and not big and not any(
         a.get("phase", "forward") == "backward" for _, a in g.nodes(data=True)
     )
-    order0 = None
+    order0 = pebbled = None
     if reorder_search and not polish and problem.time_limit_s is None:
         # Larger graphs without a backward phase (random layered n500, n1000): their
         # plans recompute whole cones and restarts keep paying off, so they get a
@@ -167,6 +180,13 @@ def auto_solver(problem: Problem) -> Plan:
         if peak0 <= budget:
             return make_plan(problem, order0, "auto", "optimal", cost_lower_bound=ref.cost,
                              solve_s=time.perf_counter() - t0)
+        # The pebbling search's "late" rule recomputes little at moderate budgets
+        # and runs in well under a second there: a candidate like the others (n1000
+        # at 0.8: +16 % compute, where eviction's restarts reach +74-79 %). Offered
+        # after eviction planning: as an incumbent it would prune the eviction
+        # variants and so skip their restarts (n1000 at 0.9: +2.3 % instead of +0.3 %).
+        pebbled = pebble_plan(problem, {"ref": problem.order, "low": order0},
+                              time.perf_counter() + PEBBLE_MEMBER_S, configs=LATE_CONFIGS)
     # Each checkpoint candidate costs a schedule build and a simulation (~0.1 s at
     # 5,000 ops): sweep fewer thresholds on big graphs, where eviction planning wins.
     for cands in (articulation_candidates(g), linear_candidates(g)):
@@ -219,32 +239,65 @@ def auto_solver(problem: Problem) -> Plan:
         )
     if low is not None:
         lowest = min(lowest, low)
+    if pebbled is not None:
+        offer(make_plan(problem, pebbled, "auto", "heuristic"))
     if best is not None and polish:
         polished = _polish(problem, best, deadline)
         if polished is not None and polished.cost < best[0]:
             best = (polished.cost, list(polished.schedule))
     if best is None:
-        # Belady reaches the lowest budgets on the Checkmate graphs, the cost-aware
-        # rule on random DAGs (1.77 vs 2.31 x the lower bound on n100): try both.
-        # Evicting forward values only goes lower where there is a backward phase.
-        stop = time.perf_counter() + min(limit, DEFAULT_TIME_LIMIT_S)
-        fwd_planner = EvictionPlanner(g, problem.order, forward_only=True)
-        tries = [(planner, ("belady",)), (planner, ("cost_bytes_dist",)),
-                 (fwd_planner, ("belady",)), (fwd_planner, ("cost_bytes_dist",))]
-        if order0 is not None:
-            # No backward phase: rebuilding missing cones at once reaches far lower
-            # budgets on the random layered graphs (docs/solvers.md); try it first.
-            low_planner = EvictionPlanner(g, order0)
-            tries = [(pl, v) for v in CONE_VARIANTS for pl in (low_planner, planner)] + tries[:2]
         mf, sched = ref.peak_bytes, list(problem.order)
-        for k, (pl, (score, *flags)) in enumerate(tries):
-            kw = dict(zip(("neighbourhood", "keep_sources", "cone"), flags))
-            # An equal share of the time left to each try, so none starves the rest.
-            share = (stop - time.perf_counter()) / (len(tries) - k)
-            mf2, sched2 = min_feasible_budget(problem, pl, score=score, deadline=time.perf_counter() + share,
-                                              **kw)
-            if mf2 < mf:
-                mf, sched = mf2, sched2
+        orders = None
+        if order0 is not None:
+            # No backward phase and every op may be recomputed and reordered: search
+            # the pebble game itself (:mod:`.pebble`), which goes far below what
+            # eviction reaches on the smaller random layered graphs (n100: 1.25 vs
+            # 1.58 x the single-op bound, and 1.25 is proven optimal), at a high
+            # compute cost where it must.
+            orders = {"ref": problem.order, "low": order0}
+            # The member above already tried the "late" configs at this budget.
+            found = pebble_plan(problem, orders, time.perf_counter() + PEBBLE_PLAN_S,
+                                configs=tuple(c for c in CONFIGS if c not in LATE_CONFIGS))
+            if found is not None:
+                return make_plan(problem, found, "auto", "heuristic", cost_lower_bound=ref.cost,
+                                 solve_s=time.perf_counter() - t0)
+            if n <= POLISH_MAX_NODES:
+                # Small graphs: the pebbling bisection's minimum was never beaten by
+                # the eviction tries below (n100, n250), which only run if it fails.
+                mf2, sched2 = pebble_min_budget(problem, orders,
+                                                time.perf_counter() + PEBBLE_MIN_S)
+                if mf2 is not None and mf2 < mf:
+                    mf, sched = mf2, sched2
+        if mf > budget and (orders is None or n > POLISH_MAX_NODES or mf >= ref.peak_bytes):
+            # Belady reaches the lowest budgets on the Checkmate graphs, the
+            # cost-aware rule on random DAGs (1.77 vs 2.31 x the lower bound on
+            # n100): try both. Evicting forward values only goes lower where there is
+            # a backward phase.
+            stop = time.perf_counter() + min(limit, DEFAULT_TIME_LIMIT_S)
+            fwd_planner = EvictionPlanner(g, problem.order, forward_only=True)
+            tries = [(planner, ("belady",)), (planner, ("cost_bytes_dist",)),
+                     (fwd_planner, ("belady",)), (fwd_planner, ("cost_bytes_dist",))]
+            if order0 is not None:
+                # No backward phase: rebuilding missing cones at once reaches far lower
+                # budgets on the random layered graphs (docs/solvers.md); try it first.
+                low_planner = EvictionPlanner(g, order0)
+                tries = [(pl, v) for v in CONE_VARIANTS for pl in (low_planner, planner)] + tries[:2]
+            for k, (pl, (score, *flags)) in enumerate(tries):
+                kw = dict(zip(("neighbourhood", "keep_sources", "cone"), flags))
+                # An equal share of the time left to each try, so none starves the rest.
+                share = (stop - time.perf_counter()) / (len(tries) - k)
+                mf2, sched2 = min_feasible_budget(problem, pl, score=score,
+                                                  deadline=time.perf_counter() + share, **kw)
+                if mf2 < mf:
+                    mf, sched = mf2, sched2
+            if orders is not None and mf > budget and n > POLISH_MAX_NODES:
+                # Larger graphs: pebbling below the eviction minimum, downwards from it
+                # (n1000: 8.6 vs 8.85 x the single-op bound in 8 s; gains are small).
+                mf2, sched2 = pebble_min_budget(problem, orders,
+                                                time.perf_counter() + PEBBLE_MIN_S,
+                                                hi=min(mf, lowest))
+                if mf2 is not None and mf2 < mf:
+                    mf, sched = mf2, sched2
         if mf <= budget:  # the bisection found a plan after all
             return make_plan(problem, sched, "auto", "heuristic", cost_lower_bound=ref.cost,
                              solve_s=time.perf_counter() - t0)
