@@ -41,7 +41,14 @@ LARGE = {"efficientnetb0", "vgg16", "densenet121", "resnet50"}
 
 # Known gaps, measured (see docs/keras.md). Each is an xfail that still runs: it
 # turns into a pass (reported as XPASS) once the gap is fixed.
-NOT_BITWISE: dict = {}  # every model bitwise equal (2026-11-30, docs/keras.md)
+NOT_BITWISE: dict = {}  # name -> why it is never bitwise (strict xfail): none now
+# name -> why some plans are not bitwise (non-strict xfail: it depends on the plan,
+# and the plan on a time-limited search and the measured baseline).
+SOMETIMES_NOT_BITWISE = {
+    "efficientnetb0": "1 of 3 plans measured on 2026-11-30 (634 ops recomputed) differed by "
+    "up to 1.1e-3 after 3 Adam steps; plans with 577 and 628 ops were bitwise equal. Not "
+    "bisected yet (the earlier 1e-3 gap was ordering edges on recomputed Mul copies). docs/keras.md",
+}
 # The smallest budget + SLACK where 60 % is infeasible (default 10 %). VGG16's weights
 # and Adam slots are half its peak even at 64x64: at the smallest budget + 10 % the
 # plan recomputes nothing (the budget is 0.98x the baseline) and the bitwise test
@@ -51,9 +58,9 @@ SLACK = {"vgg16": 0.02}
 # to run, so these are non-strict xfails).
 OVER_BUDGET = {
     ("transformer", 0): "at its smallest budget + 10 % (110-205 ops recomputed, many of them "
-    "unordered GELU products) the measured peak ran 1.4-5.4 MiB over a 13.1 MiB prediction "
+    "unordered GELU products) the measured peak ran 1.4-5.9 MiB over a 13.1 MiB prediction "
     "(profiler: an early 2 MiB GELU op plus up to 3 MiB of unsplit BFC chunks), more than "
-    "the margin; at 60 % it stays within 0.9 MiB. docs/keras.md",
+    "the margin; at 60 % it stayed under its budget. docs/keras.md",
 }
 CLOSE_ATOL: dict = {}  # name -> max |diff| for models known not to be bitwise
 
@@ -274,7 +281,9 @@ def _marks(name, known, strict=False):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     # strict: these fail deterministically; the peaks (OVER_BUDGET) vary from run to run
-    "name", [pytest.param(m, marks=_marks(m, NOT_BITWISE, strict=True)) for m in _selected()]
+    "name",
+    [pytest.param(m, marks=_marks(m, NOT_BITWISE, strict=True) + _marks(m, SOMETIMES_NOT_BITWISE))
+     for m in _selected()],
 )
 def test_bitwise_equal_to_keras(name):
     pytest.importorskip("tensorflow")
