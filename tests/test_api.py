@@ -184,18 +184,24 @@ def test_replans_when_memory_outside_the_step_grew_during_the_first_call(monkeyp
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def _mlp_with_a_tight_budget():
+    """An 8-layer MLP, its reference step, and tfremat's at a budget that needs
+    recomputation: (x, y, ref_step, remat_fn, budget_bytes)."""
+    x, y = make_data("mlp", batch=2048, width=256)
+    _, ref_step = make_step("mlp", "sgd", layers=8, width=256)
+    _, step = make_step("mlp", "sgd", layers=8, width=256)
+    probe = tfremat.remat(step, budget_gib=1.0).get_plan(x, y)
+    budget = (probe.fixed_bytes + 0.9 * (probe.baseline_peak_bytes - probe.fixed_bytes)) / 0.95
+    return x, y, ref_step, tfremat.remat(step, budget_gib=budget / 2**30), budget
+
+
 def test_replans_when_the_first_call_measures_over_the_budget(monkeypatch):
     """A measured peak the model did not predict (kernel scratch space): the next
     calls keep that much more free; a call that sets no new high-water mark, or a
     plan that already re-planned twice, plans nothing more."""
     import tfremat.api as api
 
-    x, y = make_data("mlp", batch=2048, width=256)
-    _, ref_step = make_step("mlp", "sgd", layers=8, width=256)
-    _, step = make_step("mlp", "sgd", layers=8, width=256)
-    probe = tfremat.remat(step, budget_gib=1.0).get_plan(x, y)
-    budget = (probe.fixed_bytes + 0.9 * (probe.baseline_peak_bytes - probe.fixed_bytes)) / 0.95
-    fn = tfremat.remat(step, budget_gib=budget / 2**30)
+    x, y, ref_step, fn, budget = _mlp_with_a_tight_budget()
     first = fn.get_plan(x, y)
     over = int(budget) + 2**20  # the first call went 1 MiB over the budget
     # before/after each call: over the budget on call 1, then no new high-water mark
@@ -239,12 +245,7 @@ def test_a_replan_that_grappler_cannot_run_keeps_the_plan_before(monkeypatch):
     import tfremat.api as api
     import tfremat.emit
 
-    x, y = make_data("mlp", batch=2048, width=256)
-    _, ref_step = make_step("mlp", "sgd", layers=8, width=256)
-    _, step = make_step("mlp", "sgd", layers=8, width=256)
-    probe = tfremat.remat(step, budget_gib=1.0).get_plan(x, y)
-    budget = (probe.fixed_bytes + 0.9 * (probe.baseline_peak_bytes - probe.fixed_bytes)) / 0.95
-    fn = tfremat.remat(step, budget_gib=budget / 2**30)
+    x, y, ref_step, fn, budget = _mlp_with_a_tight_budget()
     first = fn.get_plan(x, y)
     peaks = iter([0, int(budget) + 2**20])  # call 1 goes over: re-plan
     monkeypatch.setattr(api, "_allocator_peak_bytes", lambda device="CPU:0": next(peaks, 0))
