@@ -84,3 +84,25 @@ def test_a_recomputed_swish_product_recomputes_its_sigmoid():
     assert _with_fused_producers(order + [mul], traced.graph_def, g) == order + [sig, mul]
     # recomputed already: nothing added
     assert _with_fused_producers(order + [sig, mul], traced.graph_def, g) == order + [sig, mul]
+
+
+def test_a_recomputed_swish_product_never_reads_a_sigmoid_of_an_older_input():
+    """A plan that recomputes the Sigmoid from the original ``y`` and the product from
+    a copy of ``y`` (EfficientNetB0's block6a): ``Mul(y', Sigmoid(y))`` is no Swish
+    pattern, so the copy would run unfused. The Sigmoid is recomputed from ``y'``."""
+    from tfremat.rewrite import _with_fused_producers
+
+    @tf.function
+    def f(x):
+        y = x + 1.0
+        return tf.reduce_sum(y * tf.sigmoid(y))
+
+    traced = trace(f, (tf.ones((4,)),), {})
+    g = build_graph(traced.records, traced.arg_placeholders).graph
+    ops = {n.name: n.op for n in traced.graph_def.node}
+    (mul,) = [n for n, op in ops.items() if op == "Mul"]
+    (sig,) = [n for n, op in ops.items() if op == "Sigmoid"]
+    (add,) = [n for n, op in ops.items() if op == "AddV2"]
+    order = list(g.graph["order"])
+    out = _with_fused_producers(order + [sig, add, mul], traced.graph_def, g)
+    assert out == order + [sig, add, sig, mul]

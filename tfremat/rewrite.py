@@ -45,15 +45,22 @@ class RewriteInfo:
 
 def _with_fused_producers(schedule: Sequence[Hashable], graph_def, graph: nx.DiGraph) -> list:
     """``schedule`` with a recomputation of ``u`` before each recomputed ``v`` that
-    would read the original of ``u``, where ``v`` is the only consumer of ``u`` and
-    reads all of ``u``'s inputs itself (``x * sigmoid(x)``).
+    would read the original of ``u``, or a copy of ``u`` made from older inputs than
+    the ones ``v`` reads, where ``v`` is the only consumer of ``u`` and reads all of
+    ``u``'s inputs itself (``x * sigmoid(x)``).
 
     A copy of ``v`` reading the original ``u`` gives ``u`` a second consumer, and
     Grappler fuses a pair only when the producer has one (oneDNN's Swish is
     ``Mul(x, Sigmoid(x))``): the original pair then ran unfused, unlike in the
     original step. Found by bisecting EfficientNetB0 (1.1e-3 after 3 Adam steps):
     recomputing ``block7a_activation/mul_1`` alone broke bitwise equality,
-    recomputing it with its ``Sigmoid`` did not. The added copy of ``u`` lives only
+    recomputing it with its ``Sigmoid`` did not. A copy of ``u`` made from an older
+    ``x`` than ``v``'s copy reads (``Mul(x', Sigmoid(x))``) is no Swish pattern either.
+    Not covered yet: Keras' Swish is ``x * sigmoid(beta * x)``, whose ``Sigmoid``
+    reads ``beta * x``, not ``x``; a plan that rebuilt block6a's ``beta * x`` and
+    ``Sigmoid`` from the original ``x`` and the product from a copy of ``x`` still
+    differs (rebuilding the whole single-consumer cone would fix it, at up to one more
+    tensor of memory while the cone is rebuilt). The added copy of ``u`` lives only
     between its run and ``v``'s, inside the time the plan kept the original ``u``
     for ``v``'s copy, and reads inputs ``v`` reads anyway: the peak cannot rise.
     """
@@ -75,18 +82,19 @@ def _with_fused_producers(schedule: Sequence[Hashable], graph_def, graph: nx.DiG
                 out.append(u)
         return out
 
-    seen: set = set()
-    fresh: dict = {}  # u -> recomputed since its original ran (its latest run is a copy)
+    last: dict = {}  # node -> position of its latest computation in ``out``
+    first_run: dict = {}  # node -> position of its original computation
     out: list = []
     for v in schedule:
-        if v in seen:
+        if v in last:
             for u in fusable_producers(v):
-                if not fresh.get(u):
+                if last[u] == first_run[u] or any(last.get(x, -1) > last[u] for x in data_in[u]):
+                    last[u] = len(out)
                     out.append(u)
-                    fresh[u] = True
+        if v not in last:
+            first_run[v] = len(out)
+        last[v] = len(out)
         out.append(v)
-        fresh[v] = v in seen
-        seen.add(v)
     return out
 
 
