@@ -46,8 +46,7 @@ def test_a_recomputed_swish_product_recomputes_its_sigmoid():
     """``x * sigmoid(x)``: a copy of the product that read the original Sigmoid would
     give it a second consumer and keep Grappler from fusing the original pair
     (EfficientNetB0, 1.1e-3 after 3 Adam steps). The rewrite recomputes the Sigmoid
-    with it; a producer with other consumers, or with inputs the product does not
-    read, is left alone."""
+    with it; a producer with other consumers is left alone."""
     from tfremat.rewrite import _with_fused_producers
 
     @tf.function
@@ -56,7 +55,7 @@ def test_a_recomputed_swish_product_recomputes_its_sigmoid():
         swish = x * s
         e = tf.exp(x)
         y = tf.sqrt(x + 1.0)
-        other = tf.exp(y) * x  # exp(y)'s input y is not read by the product
+        other = tf.exp(y) * x  # an elementwise cone down to x
         shared = s * 2.0  # a second consumer would not matter here: s is read twice
         return tf.reduce_sum(swish + e + other + shared)
 
@@ -68,8 +67,10 @@ def test_a_recomputed_swish_product_recomputes_its_sigmoid():
     order = list(g.graph["order"])
     # recompute the product at the end, and the other product too
     out = _with_fused_producers(order + [swish, other], traced.graph_def, g)
-    # the Sigmoid has two consumers (the product and `shared`): not fused, not added
-    assert out == order + [swish, other]
+    # the Sigmoid has two consumers (the product and `shared`): not added; the other
+    # product's elementwise cone exp(sqrt(x + 1)) reads only x and a constant: rebuilt
+    (add,) = [n for n, op in ops.items() if op == "AddV2" and n == "add"]
+    assert out == order + [swish, add, "Sqrt", "Exp_1", other]
 
     @tf.function
     def h(x):
@@ -106,3 +107,31 @@ def test_a_recomputed_swish_product_never_reads_a_sigmoid_of_an_older_input():
     order = list(g.graph["order"])
     out = _with_fused_producers(order + [sig, add, mul], traced.graph_def, g)
     assert out == order + [sig, add, sig, mul]
+
+
+
+def test_a_fused_cone_stops_at_a_convolution():
+    """Keras' Swish ``x * sigmoid(beta * x)`` rebuilds [beta * x, sigmoid]; a ReLU
+    after a first-layer convolution rebuilds nothing (the cone would reach the
+    convolution)."""
+    from tfremat.rewrite import _with_fused_producers
+
+    @tf.function
+    def f(x, k):
+        c = tf.nn.conv2d(x, k, 1, "SAME")
+        r = tf.nn.relu(c + 1.0)  # Relu(AddV2(Conv2D)): the AddV2 cone reaches Conv2D
+        y = r * 3.0
+        return tf.reduce_sum(y * tf.sigmoid(0.5 * y))
+
+    traced = trace(f, (tf.ones((1, 4, 4, 1)), tf.ones((1, 1, 1, 1))), {})
+    g = build_graph(traced.records, traced.arg_placeholders).graph
+    ops = {n.name: n.op for n in traced.graph_def.node}
+    order = list(g.graph["order"])
+    relu = [n for n, op in ops.items() if op == "Relu"][0]
+    assert _with_fused_producers(order + [relu], traced.graph_def, g) == order + [relu]
+    (sig,) = [n for n, op in ops.items() if op == "Sigmoid"]
+    (beta_y,) = [n for n in ops if n in {i.split(":")[0] for i in
+                 next(m for m in traced.graph_def.node if m.name == sig).input}]
+    (swish,) = [m.name for m in traced.graph_def.node if m.op == "Mul"
+                and any(i.split(":")[0] == sig for i in m.input)]
+    assert _with_fused_producers(order + [swish], traced.graph_def, g) == order + [beta_y, sig, swish]

@@ -43,11 +43,18 @@ class RewriteInfo:
     rewired_inputs: int
 
 
+# Ops a fused_cone may rebuild: cheap, elementwise, the size of their output.
+_ELEMENTWISE = frozenset({
+    "Mul", "AddV2", "Add", "Sub", "Neg", "Sigmoid", "Tanh", "Exp", "Erf", "Erfc", "Relu",
+    "Relu6", "Square", "RealDiv", "Maximum", "Minimum", "Cast", "Softplus", "Rsqrt", "Sqrt",
+})
+
+
 def _with_fused_producers(schedule: Sequence[Hashable], graph_def, graph: nx.DiGraph) -> list:
-    """``schedule`` with a recomputation of ``u`` before each recomputed ``v`` that
-    would read the original of ``u``, or a copy of ``u`` made from older inputs than
-    the ones ``v`` reads, where ``v`` is the only consumer of ``u`` and reads all of
-    ``u``'s inputs itself (``x * sigmoid(x)``).
+    """``schedule`` with the fused cone of each recomputed ``v`` rebuilt right before
+    it when ``v``'s copy would read an original of the cone, or a copy made from
+    older inputs than the ones ``v`` reads: the elementwise producers only ``v``
+    consumes whose other inputs ``v`` reads itself (``x * sigmoid(x)``: the Sigmoid).
 
     A copy of ``v`` reading the original ``u`` gives ``u`` a second consumer, and
     Grappler fuses a pair only when the producer has one (oneDNN's Swish is
@@ -56,13 +63,14 @@ def _with_fused_producers(schedule: Sequence[Hashable], graph_def, graph: nx.DiG
     recomputing ``block7a_activation/mul_1`` alone broke bitwise equality,
     recomputing it with its ``Sigmoid`` did not. A copy of ``u`` made from an older
     ``x`` than ``v``'s copy reads (``Mul(x', Sigmoid(x))``) is no Swish pattern either.
-    Not covered yet: Keras' Swish is ``x * sigmoid(beta * x)``, whose ``Sigmoid``
-    reads ``beta * x``, not ``x``; a plan that rebuilt block6a's ``beta * x`` and
-    ``Sigmoid`` from the original ``x`` and the product from a copy of ``x`` still
-    differs (rebuilding the whole single-consumer cone would fix it, at up to one more
-    tensor of memory while the cone is rebuilt). The added copy of ``u`` lives only
-    between its run and ``v``'s, inside the time the plan kept the original ``u``
-    for ``v``'s copy, and reads inputs ``v`` reads anyway: the peak cannot rise.
+    Keras' Swish is ``x * sigmoid(beta * x)``: the whole single-consumer elementwise
+    cone (``beta * x``, ``Sigmoid``) is rebuilt, see ``fused_cone``; the failing plan
+    had rebuilt block6a's cone from the original ``x`` and the product from a copy of
+    ``x``, and is bitwise equal with this rule (2 ops added). The added copies live only
+    between their run and ``v``'s, inside the time the plan kept the originals for
+    ``v``'s copy, and read inputs ``v`` reads anyway (or constants, or values
+    never recomputed); while a cone of two or more is rebuilt, one more elementwise
+    tensor of the cone's size can be live than the plan counted.
     """
     by_name = {n.name: n for n in graph_def.node}
     data_in: dict = {}
@@ -73,13 +81,36 @@ def _with_fused_producers(schedule: Sequence[Hashable], graph_def, graph: nx.DiG
         for p in set(ins):
             consumers.setdefault(p, set()).add(n.name)
 
-    def fusable_producers(v):
-        out = []
+    def fused_cone(v):
+        """v's producers that only v consumes, transitively, through elementwise ops
+        (at most 3 deep), whose other inputs v reads itself, are constants, or are
+        never recomputed; in topological order. ``x * sigmoid(x)`` gives [sigmoid];
+        Keras' ``x * sigmoid(beta * x)`` gives [beta * x, sigmoid]; a chain through a
+        convolution gives nothing."""
+        post: list = []
+
+        def member(w) -> bool:
+            return (w in graph and graph.nodes[w].get("recomputable", False)
+                    and by_name[w].op in _ELEMENTWISE and len(consumers.get(w, ())) == 1)
+
+        def visit(u, depth) -> bool:
+            for w in dict.fromkeys(data_in.get(u, ())):
+                if member(w) and depth < 3:
+                    if not visit(w, depth + 1):
+                        return False
+                    if w not in post:
+                        post.append(w)
+                elif not (w in data_in[v] or by_name[w].op in _CONSTS
+                          or not (w in graph and graph.nodes[w].get("recomputable", False))):
+                    return False
+            return True
+
+        out: list = []
         for u in dict.fromkeys(data_in.get(v, ())):
-            if (u in graph and graph.nodes[u].get("recomputable", False)
-                    and consumers.get(u) == {v}
-                    and all(x in data_in[v] or by_name[x].op in _CONSTS for x in data_in[u])):
-                out.append(u)
+            if member(u) and consumers.get(u) == {v}:
+                post.clear()
+                if visit(u, 1):
+                    out += [w for w in post if w not in out] + [u]
         return out
 
     last: dict = {}  # node -> position of its latest computation in ``out``
@@ -87,8 +118,10 @@ def _with_fused_producers(schedule: Sequence[Hashable], graph_def, graph: nx.DiG
     out: list = []
     for v in schedule:
         if v in last:
-            for u in fusable_producers(v):
-                if last[u] == first_run[u] or any(last.get(x, -1) > last[u] for x in data_in[u]):
+            cone = fused_cone(v)
+            if any(last[u] == first_run[u] or any(last.get(x, -1) > last[u] for x in data_in[u])
+                   for u in cone):
+                for u in cone:
                     last[u] = len(out)
                     out.append(u)
         if v not in last:
