@@ -46,8 +46,8 @@ NOT_BITWISE: dict = {}  # name -> why it is never bitwise (strict xfail): none n
 # and the plan on a time-limited search and the measured baseline).
 SOMETIMES_NOT_BITWISE = {
     "efficientnetb0": "1 of 3 plans measured on 2026-11-30 (634 ops recomputed) differed by "
-    "up to 1.1e-3 after 3 Adam steps; plans with 577 and 628 ops were bitwise equal. Not "
-    "bisected yet (the earlier 1e-3 gap was ordering edges on recomputed Mul copies). docs/keras.md",
+    "up to 1.1e-3 after 3 Adam steps (Keras' beta-Swish cone rebuilt from an older input); "
+    "fixed by rebuilding fused cones, checked on one fresh plan only. docs/keras.md",
 }
 # The smallest budget + SLACK where 60 % is infeasible (default 10 %). VGG16's weights
 # and Adam slots are half its peak even at 64x64: at the smallest budget + 10 % the
