@@ -11,6 +11,18 @@ from tfremat.rewrite import _cse_twins  # noqa: E402
 from tfremat.trace import trace  # noqa: E402
 
 
+def _traced(f, *args):
+    """(graph_def, planning graph, op name -> op type, reference order) of ``f``."""
+    traced = trace(f, args, {})
+    g = build_graph(traced.records, traced.arg_placeholders).graph
+    return traced.graph_def, g, {n.name: n.op for n in traced.graph_def.node}, list(g.graph["order"])
+
+
+def only(ops, op_type):
+    (name,) = [n for n, op in ops.items() if op == op_type]
+    return name
+
+
 def test_cse_twins_are_ops_grappler_may_merge():
     """Same op, attributes and inputs (in either order for a commutative op, or
     through inputs that are twins themselves): twins. Different constants, a
@@ -76,15 +88,11 @@ def test_a_recomputed_swish_product_recomputes_its_sigmoid():
     def h(x):
         return tf.reduce_sum(x * tf.sigmoid(x))
 
-    traced = trace(h, (tf.ones((4,)),), {})
-    g = build_graph(traced.records, traced.arg_placeholders).graph
-    ops = {n.name: n.op for n in traced.graph_def.node}
-    (mul,) = [n for n, op in ops.items() if op == "Mul"]
-    (sig,) = [n for n, op in ops.items() if op == "Sigmoid"]
-    order = list(g.graph["order"])
-    assert _with_fused_producers(order + [mul], traced.graph_def, g) == order + [sig, mul]
+    gd, g, ops, order = _traced(h, tf.ones((4,)))
+    mul, sig = only(ops, "Mul"), only(ops, "Sigmoid")
+    assert _with_fused_producers(order + [mul], gd, g) == order + [sig, mul]
     # recomputed already: nothing added
-    assert _with_fused_producers(order + [sig, mul], traced.graph_def, g) == order + [sig, mul]
+    assert _with_fused_producers(order + [sig, mul], gd, g) == order + [sig, mul]
 
 
 def test_a_recomputed_swish_product_never_reads_a_sigmoid_of_an_older_input():
@@ -98,14 +106,9 @@ def test_a_recomputed_swish_product_never_reads_a_sigmoid_of_an_older_input():
         y = x + 1.0
         return tf.reduce_sum(y * tf.sigmoid(y))
 
-    traced = trace(f, (tf.ones((4,)),), {})
-    g = build_graph(traced.records, traced.arg_placeholders).graph
-    ops = {n.name: n.op for n in traced.graph_def.node}
-    (mul,) = [n for n, op in ops.items() if op == "Mul"]
-    (sig,) = [n for n, op in ops.items() if op == "Sigmoid"]
-    (add,) = [n for n, op in ops.items() if op == "AddV2"]
-    order = list(g.graph["order"])
-    out = _with_fused_producers(order + [sig, add, mul], traced.graph_def, g)
+    gd, g, ops, order = _traced(f, tf.ones((4,)))
+    mul, sig, add = only(ops, "Mul"), only(ops, "Sigmoid"), only(ops, "AddV2")
+    out = _with_fused_producers(order + [sig, add, mul], gd, g)
     assert out == order + [sig, add, sig, mul]
 
 
