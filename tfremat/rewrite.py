@@ -50,7 +50,21 @@ _ELEMENTWISE = frozenset({
 })
 
 
-def _with_fused_producers(schedule: Sequence[Hashable], graph_def, graph: nx.DiGraph) -> list:
+def _data_edges(graph_def) -> tuple[dict, dict]:
+    """Op -> the ops its data inputs come from (in order), and op -> the set of ops
+    that read it as data (control inputs left out)."""
+    data_in: dict = {}
+    consumers: dict = {}
+    for n in graph_def.node:
+        ins = [_split(i)[0] for i in n.input if not i.startswith("^")]
+        data_in[n.name] = ins
+        for p in ins:
+            consumers.setdefault(p, set()).add(n.name)
+    return data_in, consumers
+
+
+def _with_fused_producers(schedule: Sequence[Hashable], graph_def, graph: nx.DiGraph,
+                          edges: tuple[dict, dict] | None = None) -> list:
     """``schedule`` with the fused cone of each recomputed ``v`` rebuilt right before
     it when ``v``'s copy would read an original of the cone, or a copy made from
     older inputs than the ones ``v`` reads: the elementwise producers only ``v``
@@ -72,14 +86,11 @@ def _with_fused_producers(schedule: Sequence[Hashable], graph_def, graph: nx.DiG
     never recomputed); while a cone of two or more is rebuilt, one more elementwise
     tensor of the cone's size can be live than the plan counted.
     """
+    data_in, consumers = edges if edges is not None else _data_edges(graph_def)
     by_name = {n.name: n for n in graph_def.node}
-    data_in: dict = {}
-    consumers: dict = {}
-    for n in graph_def.node:
-        ins = [_split(i)[0] for i in n.input if not i.startswith("^")]
-        data_in[n.name] = ins
-        for p in set(ins):
-            consumers.setdefault(p, set()).add(n.name)
+
+    def recomputable(w) -> bool:
+        return w in graph and graph.nodes[w].get("recomputable", False)
 
     def fused_cone(v):
         """v's producers that only v consumes, transitively, through elementwise ops
@@ -90,8 +101,7 @@ def _with_fused_producers(schedule: Sequence[Hashable], graph_def, graph: nx.DiG
         post: list = []
 
         def member(w) -> bool:
-            return (w in graph and graph.nodes[w].get("recomputable", False)
-                    and by_name[w].op in _ELEMENTWISE and len(consumers.get(w, ())) == 1)
+            return recomputable(w) and by_name[w].op in _ELEMENTWISE and len(consumers.get(w, ())) == 1
 
         def visit(u, depth) -> bool:
             for w in dict.fromkeys(data_in.get(u, ())):
@@ -100,8 +110,7 @@ def _with_fused_producers(schedule: Sequence[Hashable], graph_def, graph: nx.DiG
                         return False
                     if w not in post:
                         post.append(w)
-                elif not (w in data_in[v] or by_name[w].op in _CONSTS
-                          or not (w in graph and graph.nodes[w].get("recomputable", False))):
+                elif not (w in data_in[v] or by_name[w].op in _CONSTS or not recomputable(w)):
                     return False
             return True
 
@@ -174,7 +183,8 @@ def rewrite_graph_def(
     RematError
         If the schedule names an op absent from the GraphDef.
     """
-    schedule = _with_fused_producers(schedule, graph_def, graph)
+    data_in, data_consumers = _data_edges(graph_def)
+    schedule = _with_fused_producers(schedule, graph_def, graph, (data_in, data_consumers))
     new = type(graph_def)()
     new.CopyFrom(graph_def)
     nodes = {n.name: n for n in new.node}
@@ -198,11 +208,6 @@ def rewrite_graph_def(
     def phase(v):
         return graph.nodes[v].get("phase", "forward") if v in graph else "input"
 
-    data_consumers: dict = {}
-    for n in graph_def.node:
-        for i in n.input:
-            if not i.startswith("^"):
-                data_consumers.setdefault(_split(i)[0], set()).add(n.name)
 
     def chain_triggers_for(j: int) -> list[str]:
         """Control inputs for the gates of a chain of copies starting at position j.
