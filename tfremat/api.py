@@ -125,9 +125,9 @@ class RematFunction:
         # later calls measured 23.7-29.2 MiB for one plan, the first 22.8).
         before = _allocator_peak_bytes(entry.device)
         out = entry.fn(*flat)
-        after = _allocator_peak_bytes(entry.device)
-        if after > before and after > self.budget_bytes:
-            self._check_after_call(entry, flat, out, after)
+        measured = _peak_set_since(before, entry.device)
+        if measured is not None:
+            self._check_after_call(entry, flat, out, measured)
         return out
 
     def get_plan(self, *args, **kwargs) -> Plan:
@@ -241,12 +241,7 @@ class RematFunction:
                 )
                 out = entry.fn(*flat)
         entry.checked = True
-        # The allocator's high-water mark rose during the call: the call set it, so
-        # it is the step's measured peak. Otherwise the step stayed under the earlier
-        # mark, and under the budget whenever that mark is.
-        peak_after = _allocator_peak_bytes(device)
-        measured = peak_after if peak_after > peak_before else None
-        self._check_after_call(entry, flat, out, measured)
+        self._check_after_call(entry, flat, out, _peak_set_since(peak_before, device))
         return out
 
     def _check_after_call(self, entry: _Entry, flat, out, measured: int | None) -> None:
@@ -472,6 +467,14 @@ def _allocator_peak_bytes(device: str = "CPU:0") -> int:
     """The allocator's high-water mark since start or since the last
     ``reset_memory_stats`` (0 when it does not report it); tfremat never resets it."""
     return _allocator_memory_info(device).get("peak", 0)
+
+
+def _peak_set_since(before: int, device: str) -> int | None:
+    """The step's measured peak, if the call just made raised the allocator's
+    high-water mark above ``before``: the call set it. Otherwise None: the step stayed
+    under the earlier mark (and under the budget whenever that mark is)."""
+    after = _allocator_peak_bytes(device)
+    return after if after > before else None
 
 
 def _allocator_memory_info(device: str) -> dict:
