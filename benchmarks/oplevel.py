@@ -30,6 +30,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
 
 FRACTIONS = (0.7, 0.6)
 
@@ -47,6 +48,7 @@ def cmd_trace(args):
     import numpy as np
     import tensorflow as tf
 
+    from tf_models import gradient_step  # the tests' train step
     from tfremat.graph import build_graph
     from tfremat.io import to_node_link
     from tfremat.simulate import reference_simulation
@@ -63,13 +65,7 @@ def cmd_trace(args):
     rng = np.random.default_rng(0)
     x = tf.constant(rng.standard_normal((args.batch, args.size, args.size, 3)).astype("float32"))
     y = tf.constant(rng.integers(0, 10, (args.batch,)).astype("int32"))
-
-    def step(x, y):
-        with tf.GradientTape() as tape:
-            loss = loss_fn(y, model(x, training=True))
-        grads = tape.gradient(loss, model.trainable_variables)
-        opt.apply_gradients(zip(grads, model.trainable_variables))
-        return loss
+    step = gradient_step(model, opt, loss_fn)
 
     t_model = time.perf_counter() - t
     t = time.perf_counter()

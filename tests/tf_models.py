@@ -31,8 +31,12 @@ def make_step(kind: str = "mlp", optimizer: str = "sgd", seed: int = 0, **kw):
     model = mlp(**kw) if kind == "mlp" else residual_cnn(**kw)
     opt = keras.optimizers.SGD(0.01) if optimizer == "sgd" else keras.optimizers.Adam(1e-3)
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    return model, tf.function(gradient_step(model, opt, loss_fn))
 
-    @tf.function
+
+def gradient_step(model, opt, loss_fn):
+    """The plain Python train step ``(x, y) -> loss``: one GradientTape update."""
+
     def step(x, y):
         with tf.GradientTape() as tape:
             loss = loss_fn(y, model(x, training=True))
@@ -40,7 +44,7 @@ def make_step(kind: str = "mlp", optimizer: str = "sgd", seed: int = 0, **kw):
         opt.apply_gradients(zip(grads, model.trainable_variables))
         return loss
 
-    return model, step
+    return step
 
 
 def make_data(kind: str = "mlp", batch: int = 512, width: int = 256, size: int = 32, seed: int = 1):
