@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 tf = pytest.importorskip("tensorflow")
@@ -141,25 +143,22 @@ def test_a_fused_cone_stops_at_a_convolution():
 
 
 
-def test_every_recompute_chain_waits_for_a_backward_op():
-    """Each gate in front of a recomputed chain keeps at least one control input.
 
-    A chain's trigger that the arithmetic optimizer may merge (a backward GELU product)
-    must not drive a control edge; when no later op can signal instead, an earlier one
-    must. Found on the Transformer test model at its smallest budget + 10 %: a gate was
-    left without any, and its chain recomputed a 2 MiB Dense output 860 positions early.
-    """
+@functools.lru_cache(maxsize=None)
+def _transformer_at_its_smallest_budget():
+    """(entry, plan, rewritten GraphDef) of a 2-block Transformer encoder's Adam step at
+    its smallest budget + 10 %, where plans recompute the most."""
     import keras
 
     import tfremat
     from tf_models import gradient_step
-    from tfremat.rewrite import COPY_SEP, rewrite_graph_def
+    from tfremat.rewrite import rewrite_graph_def
 
     keras.utils.set_random_seed(0)
     L = keras.layers
     inp = keras.Input((64, 64))
     h = inp
-    for _ in range(2):  # Transformer encoder blocks
+    for _ in range(2):
         a = L.MultiHeadAttention(4, 16)(h, h)
         h = L.LayerNormalization()(L.Add()([h, a]))
         f = L.Dense(64)(L.Dense(256, activation="gelu")(h))
@@ -175,9 +174,56 @@ def test_every_recompute_chain_waits_for_a_backward_op():
     f = tfremat.remat(step, budget_gib=1.1 * smallest / 2**30)
     plan = f.get_plan(x, y)
     entry = f._entry((x, y), {})
-    gd, info = rewrite_graph_def(entry.traced.graph_def, plan.schedule, entry.step_graph.graph,
-                                 entry.traced.dtypes)
+    gd, _ = rewrite_graph_def(entry.traced.graph_def, plan.schedule, entry.step_graph.graph,
+                              entry.traced.dtypes)
+    assert len(plan.recomputed) > 10
+    return entry, plan, gd
+
+
+def test_every_recompute_chain_waits_for_a_backward_op():
+    """Each gate in front of a recomputed chain keeps at least one control input.
+
+    A chain's trigger that the arithmetic optimizer may merge (a backward GELU product)
+    must not drive a control edge; when no later op can signal instead, an earlier one
+    must. Found on the Transformer test model at its smallest budget + 10 %: a gate was
+    left without any, and its chain recomputed a 2 MiB Dense output 860 positions early.
+    """
+    from tfremat.rewrite import COPY_SEP
+
+    _, _, gd = _transformer_at_its_smallest_budget()
     gates = [n for n in gd.node if f"{COPY_SEP}_gate" in n.name]
-    assert len(plan.recomputed) > 10 and len(gates) > 5, (len(plan.recomputed), len(gates))
+    assert len(gates) > 5
     unordered = [n.name for n in gates if not any(i.startswith("^") for i in n.input)]
     assert not unordered, unordered
+
+
+def test_no_op_reads_an_alias_of_a_buffer_the_plan_recomputed():
+    """An op reading a ``Reshape`` (an alias: no buffer of its own) must read one made
+    from the owner's newest computation; one made from the original keeps the original
+    buffer live, which the plan counted as freed (the Transformer's backward MatMuls
+    read the forward ``Tensordot/Reshape``: 4 MiB over the prediction)."""
+    from tfremat.rewrite import COPY_SEP, _split
+
+    import networkx as nx
+
+    entry, _, gd = _transformer_at_its_smallest_budget()
+    g = entry.step_graph.graph
+    dag = nx.DiGraph((_split(i.lstrip("^"))[0], n.name) for n in gd.node for i in n.input)
+    nodes = {n.name: n for n in gd.node}
+    copies: dict = {}  # original op -> its copies
+    for n in gd.node:
+        base, sep, k = n.name.rpartition(COPY_SEP)
+        if sep and k.isdigit():
+            copies.setdefault(base, set()).add(n.name)
+    checked, stale = 0, []
+    for a in g:  # the original aliases whose owner was recomputed
+        if not g.nodes[a].get("alias") or a not in nodes or not nodes[a].input:
+            continue
+        owner = _split(nodes[a].input[0])[0]
+        for reader in copies.get(owner, ()) and dag.successors(a):
+            checked += 1
+            # a reader that runs after a recomputation of the owner reads the original
+            if nx.ancestors(dag, reader) & copies[owner]:
+                stale.append((reader, a))
+    assert checked > 0
+    assert not stale, stale
