@@ -261,3 +261,28 @@ def test_a_replan_that_grappler_cannot_run_keeps_the_plan_before(monkeypatch):
     refs = [ref_step(x, y) for _ in range(3)]
     for a, b in zip(outs, refs):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_margin_keeps_the_largest_tensor_free_not_the_largest_op():
+    """An op with many outputs (an LSTM's while loop: a dozen accumulators) is not one
+    allocation; the margin holds the largest single tensor."""
+    w = tf.Variable(tf.ones((256, 256)))
+
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            parts = tf.unstack(x)  # one op, 8 outputs of 256 KiB
+            loss = tf.add_n([tf.reduce_sum(tf.sigmoid(p @ w)) for p in parts])
+        w.assign_sub(0.1 * tape.gradient(loss, w))
+        return loss
+
+    x = tf.ones((8, 256, 256))
+    fn = tfremat.remat(step, budget_gib=1.0)
+    fn.get_plan(x)
+    graph = list(fn._cache.values())[0].step_graph.graph
+    (unstack,) = [v for v, d in graph.nodes(data=True) if d["op_type"] == "Unpack"]
+    assert graph.nodes[unstack]["bytes"] == 8 * 256 * 256 * 4
+    biggest = max(d["bytes"] for v, d in graph.nodes(data=True) if v != unstack)
+    assert biggest < graph.nodes[unstack]["bytes"]
+    assert biggest == 256 * 256 * 4
+    assert fn._margin(2**30, graph) == int(2**30 * fn.headroom) + 256 * 256 * 4

@@ -156,7 +156,7 @@ def _fold_splat_constants(records, by_name, g) -> int:
             key: tuple = ("Fill", out.shape, out.dtype, value_key)
         else:
             key = (r.op_type, out.shape, out.dtype)
-        g.nodes[r.name]["bytes"] = 0
+        g.nodes[r.name]["bytes"] = g.nodes[r.name]["largest_tensor"] = 0
         g.nodes[r.name]["folded"] = True
         if key not in seen:
             seen.add(key)
@@ -221,6 +221,8 @@ def build_graph(records: Sequence[OpRecord], argument_ops: Iterable[str] = ()) -
             r.name,
             op_type=r.op_type,
             bytes=int(out_bytes),
+            # the largest single output: a while loop's bytes are many accumulators
+            largest_tensor=int(max((t.bytes for t in r.outputs), default=0)) if out_bytes else 0,
             cost=op_cost(r.op_type, in_shapes, [t.shape for t in r.outputs], r.equation),
             recomputable=recomputable,
             stateful=bool(r.stateful or r.calls_function),
