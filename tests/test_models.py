@@ -56,12 +56,7 @@ SOMETIMES_NOT_BITWISE = {
 SLACK = {"vgg16": 0.02}
 # (name, fraction) -> why the measured peak may go over the budget (it varies from run
 # to run, so these are non-strict xfails).
-OVER_BUDGET = {
-    ("transformer", 0): "at its smallest budget + 10 % (110-205 ops recomputed, many of them "
-    "unordered GELU products) the measured peak ran 1.4-5.9 MiB over a 13.1 MiB prediction "
-    "(profiler: an early 2 MiB GELU op plus up to 3 MiB of unsplit BFC chunks), more than "
-    "the margin; at 60 % it stayed under its budget. docs/keras.md",
-}
+OVER_BUDGET: dict = {}  # none now (the Transformer at its smallest budget: fixed, docs/keras.md)
 CLOSE_ATOL: dict = {}  # name -> max |diff| for models known not to be bitwise
 
 
