@@ -44,11 +44,7 @@ LARGE = {"efficientnetb0", "vgg16", "densenet121", "resnet50"}
 NOT_BITWISE: dict = {}  # name -> why it is never bitwise (strict xfail): none now
 # name -> why some plans are not bitwise (non-strict xfail: it depends on the plan,
 # and the plan on a time-limited search and the measured baseline).
-SOMETIMES_NOT_BITWISE = {
-    "efficientnetb0": "1 of 3 plans measured on 2026-11-30 (634 ops recomputed) differed by "
-    "up to 1.1e-3 after 3 Adam steps (Keras' beta-Swish cone rebuilt from an older input); "
-    "fixed by rebuilding fused cones, checked on one fresh plan only. docs/keras.md",
-}
+SOMETIMES_NOT_BITWISE: dict = {}  # none now (EfficientNetB0's fused-cone gap: docs/keras.md)
 # The smallest budget + SLACK where 60 % is infeasible (default 10 %). VGG16's weights
 # and Adam slots are half its peak even at 64x64: at the smallest budget + 10 % the
 # plan recomputes nothing (the budget is 0.98x the baseline) and the bitwise test
