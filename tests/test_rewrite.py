@@ -227,3 +227,37 @@ def test_no_op_reads_an_alias_of_a_buffer_the_plan_recomputed():
                 stale.append((reader, a))
     assert checked > 0
     assert not stale, stale
+
+
+def test_an_ordering_edge_never_lands_on_an_add_tree_the_optimizer_merges():
+    """``(x*s1 + t1) + (x*s2 + t2)`` (two BatchNorm outputs summed, as in NASNet's
+    cells): the arithmetic optimizer merges the Add tree unless a member has a control
+    input, and then sums in another order. An ordering edge onto the outer Add is
+    dropped (its inputs still order it); on an op outside any tree it stays."""
+    from tfremat.rewrite import _anchor_ordering_edges
+
+    @tf.function
+    def f(x, y):
+        p = tf.exp(y)
+        v = (x * 2.0 + 1.0) + (x * 3.0 + 4.0)
+        return v, tf.nn.relu(x) + p
+
+    gd, _, ops, order = _traced(f, tf.ones((4,)), tf.ones((4,)))
+    by_name = {n.name: n for n in gd.node}
+    p = only(ops, "Exp")
+    relu = only(ops, "Relu")
+    (v,) = [n for n, op in ops.items() if op == "AddV2"
+            and all(ops[i.split(":")[0]] == "AddV2" for i in by_name[n].input)]
+    new = type(gd)()
+    new.CopyFrom(gd)
+    for n in new.node:
+        if n.name in (v, relu):
+            n.input.append("^" + p)  # what the strict ordering adds
+    dtypes = {n.name: [1] for n in gd.node}
+    position = {name: k for k, name in enumerate(order)}
+    _anchor_ordering_edges(new, gd, set(), dtypes, position)
+    nodes = {n.name: n for n in new.node}
+    assert not [i for i in nodes[v].input if i.startswith("^")]
+    gated = [i for i in nodes[relu].input if i.startswith("^")] or [
+        c for i in nodes[relu].input if "_remat_order" in i for c in nodes[i.split(":")[0]].input if c.startswith("^")]
+    assert gated == ["^" + p]

@@ -825,7 +825,7 @@ def _anchor_ordering_edges(new, graph_def, gate_names, dtypes, position, twins=f
                 if in_group(s):
                     # Driving a control edge would block the merge: a later op that
                     # is scheduled before v anyway signals instead, or no edge.
-                    s = safe_successor(s, v) or safe_predecessor(s, v)
+                    s = safe_successor(s, v) or (safe_predecessor(s, v) if v in gate_names else None)
                     if s is None or is_ancestor(s, v):
                         continue
                 if s not in srcs:
@@ -841,6 +841,14 @@ def _anchor_ordering_edges(new, graph_def, gate_names, dtypes, position, twins=f
             continue
         pos = stable_input(v)
         if pos is None:
+            if in_group(v):
+                # A control input on v would keep the arithmetic optimizer from
+                # merging v's Add tree (or Mul chain), so its sum would be taken in
+                # another order. Found on NASNetMobile, nothing recomputed: its cells
+                # add two BatchNorm outputs (``x*s + b`` each); the strict edge on the
+                # cell's Add changed the first loss in the 7th digit. v's inputs
+                # still order it.
+                continue
             node.input.extend("^" + a for a in srcs)
             continue
         inp = node.input[pos]
