@@ -839,6 +839,8 @@ def _anchor_ordering_edges(new, graph_def, gate_names, dtypes, position, twins=f
         node.input.extend(ins)
         if not srcs:
             continue
+        if node.op == "AddN":
+            continue  # see below: a gradient AddN is summed differently when ordered
         pos = stable_input(v)
         if pos is None:
             if in_group(v):
@@ -846,8 +848,11 @@ def _anchor_ordering_edges(new, graph_def, gate_names, dtypes, position, twins=f
                 # merging v's Add tree (or Mul chain), so its sum would be taken in
                 # another order. Found on NASNetMobile, nothing recomputed: its cells
                 # add two BatchNorm outputs (``x*s + b`` each); the strict edge on the
-                # cell's Add changed the first loss in the 7th digit. v's inputs
-                # still order it.
+                # cell's Add changed the first loss in the 7th digit. A gradient
+                # ``AddN`` ordered through a control input or a gate on one of its
+                # inputs was summed differently too (bisected by target op type:
+                # 0.1 in some variables after 3 Adam steps), so it gets neither.
+                # v's inputs still order it.
                 continue
             node.input.extend("^" + a for a in srcs)
             continue
