@@ -1,0 +1,148 @@
+"""Robustness sweep: Keras models the tests do not cover, through the tests' own check.
+
+    python benchmarks/keras_sweep.py [NAME ...]
+
+For each model (default: all of ``EXTRA``), Keras' own 3 Adam steps run in one fresh
+process and tfremat's in another (``tests/test_models.py``'s ``_check``: budget 60 % of
+the measured baseline, or the solver's smallest budget + 10 % where 60 % is
+infeasible, op determinism on), and one table row is printed: baseline, budget,
+predicted and measured peak (MiB, default CPU allocator), ops recomputed, and whether
+every loss and variable is bitwise equal. The large keras.applications models take
+minutes each on 2 cores. Results: docs/keras.md ("Other Keras models").
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+import test_models as tm  # noqa: E402
+
+# name -> (batch, input shape)
+EXTRA = {
+    "conv1d_attention": (32, (128, 16)),
+    "embed_bilstm": (64, (40,)),
+    "autoencoder": (32, (32, 32, 3)),
+    "sepconv_groupnorm": (32, (32, 32, 3)),
+    "unet": (8, (64, 64, 3)),
+    "xception": (16, (71, 71, 3)),
+    "nasnetmobile": (16, (32, 32, 3)),
+    "convnexttiny": (16, (32, 32, 3)),
+}
+
+
+def _builders():
+    import keras
+
+    L = keras.layers
+    out = _test_builders()
+
+    def conv1d_attention():
+        inp = keras.Input(EXTRA["conv1d_attention"][1])
+        h = inp
+        for c in (64, 64, 128):
+            h = L.BatchNormalization()(L.Conv1D(c, 5, padding="same", activation="elu")(h))
+        h = L.Attention()([h, h])
+        return keras.Model(inp, L.Dense(10)(L.GlobalAveragePooling1D()(h)))
+
+    def embed_bilstm():
+        inp = keras.Input(EXTRA["embed_bilstm"][1])  # float, as the check feeds: made token ids
+        ids = L.Lambda(lambda t: keras.ops.cast(keras.ops.abs(t) * 1000, "int32"))(inp)
+        h = L.Embedding(5000, 64)(ids)
+        h = L.Bidirectional(L.LSTM(32, return_sequences=True))(h)
+        h = L.GlobalMaxPooling1D()(L.Dense(128, activation="relu")(h))
+        return keras.Model(inp, L.Dense(10)(L.Dropout(0.3)(h)))
+
+    def autoencoder():
+        inp = keras.Input(EXTRA["autoencoder"][1])
+        h = inp
+        for c in (32, 64):
+            h = L.Conv2D(c, 3, strides=2, padding="same", activation="relu")(h)
+        for c in (64, 32):
+            h = L.Conv2DTranspose(c, 3, strides=2, padding="same", activation="relu")(h)
+        h = L.MaxPooling2D()(L.UpSampling2D()(L.Conv2D(3, 3, padding="same")(h)))
+        return keras.Model(inp, L.Dense(10)(L.Flatten()(L.AveragePooling2D(4)(h))))
+
+    def sepconv_groupnorm():
+        inp = keras.Input(EXTRA["sepconv_groupnorm"][1])
+        h = L.Conv2D(32, 3, padding="same")(inp)
+        for _ in range(4):
+            r = L.GroupNormalization(8)(L.SeparableConv2D(32, 3, padding="same")(h))
+            h = L.Add()([h, L.SpatialDropout2D(0.1)(L.Activation("swish")(r))])
+        return keras.Model(inp, L.Dense(10)(L.GlobalAveragePooling2D()(h)))
+
+    def unet():
+        inp = keras.Input(EXTRA["unet"][1])
+        skips, h = [], inp
+        for c in (16, 32, 64):
+            h = L.Conv2D(c, 3, padding="same", activation="relu")(h)
+            skips.append(h)
+            h = L.MaxPooling2D()(h)
+        h = L.Conv2D(128, 3, padding="same", activation="relu")(h)
+        for c, s in zip((64, 32, 16), reversed(skips)):
+            h = L.Concatenate()([L.Conv2DTranspose(c, 2, strides=2)(h), s])
+            h = L.Conv2D(c, 3, padding="same", activation="relu")(h)
+        return keras.Model(inp, L.Dense(10)(L.GlobalAveragePooling2D()(h)))
+
+    def app(cls, name):
+        return lambda: getattr(keras.applications, cls)(weights=None, input_shape=EXTRA[name][1], classes=10)
+
+    out.update(conv1d_attention=conv1d_attention, embed_bilstm=embed_bilstm, autoencoder=autoencoder,
+               sepconv_groupnorm=sepconv_groupnorm, unet=unet, xception=app("Xception", "xception"),
+               nasnetmobile=app("NASNetMobile", "nasnetmobile"), convnexttiny=app("ConvNeXtTiny", "convnexttiny"))
+    return out
+
+
+_test_builders = tm._builders
+tm.MODELS.update(EXTRA)
+tm._builders = _builders
+
+
+def _run(name: str, fraction: float, role: str, state: str) -> dict:
+    proc = subprocess.run(
+        [sys.executable, __file__, "--worker", name, str(fraction), role, state],
+        capture_output=True, text=True, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"), cwd=ROOT,
+    )
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
+    if proc.returncode or not lines:
+        return {"error": (proc.stderr.strip().splitlines() or ["no output"])[-1]}
+    return json.loads(lines[-1])
+
+
+def main(names) -> None:
+    mib = 2**20
+    print("| model | batch | baseline | budget | predicted | measured | ops recomputed | bitwise equal |")
+    print("|---|---|---|---|---|---|---|---|")
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in names:
+            state = os.path.join(tmp, name)
+            ref = _run(name, tm.FRACTION, "reference", state)
+            if "error" in ref:
+                print(f"| {name} | reference failed: {ref['error']} |")
+                continue
+            with open(state + ".json", "w") as f:
+                json.dump(ref, f)
+            r = _run(name, tm.FRACTION, "remat", state)
+            if "error" in r:
+                print(f"| {name} | tfremat failed: {r['error']} |")
+                continue
+            kind = "min+10 %" if r.get("infeasible_at_fraction") else "60 %"
+            equal = r["logs_equal"] and r["n_unequal"] == 0
+            print(f"| {name} | {r['batch']} | {max(ref['peaks']) / mib:.1f} | {r['budget'] / mib:.1f} ({kind}) "
+                  f"| {r['predicted'] / mib:.1f} | {max(r['peaks']) / mib:.1f} | {r['recomputed']} "
+                  f"| {'yes' if equal else 'no (max %.1e)' % r['max_abs_diff']} |", flush=True)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--worker"]:
+        name, fraction, role, state = sys.argv[2:6]
+        print(json.dumps(tm._check(name, float(fraction), role, state)))
+    else:
+        main(sys.argv[1:] or list(EXTRA))
