@@ -17,6 +17,7 @@ control input keeps common-subgraph elimination from merging the copy back.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 from typing import Hashable, Mapping, Sequence
 
 import networkx as nx
@@ -246,7 +247,6 @@ def rewrite_graph_def(
 
     def phase(v):
         return graph.nodes[v].get("phase", "forward") if v in graph else "input"
-
 
     def chain_triggers_for(j: int) -> list[str]:
         """Control inputs for the gates of a chain of copies starting at position j.
@@ -762,8 +762,6 @@ def _anchor_ordering_edges(new, graph_def, gate_names, dtypes, position, twins=f
         them could signal instead, the gate was left without a control input, and the
         chain ran 860 positions early, in the previous block's backward pass (4.5 MiB
         over the prediction at the peak)."""
-        import heapq
-
         heap = [(-position.get(u, -1), u)]
         seen = {u}
         for _ in range(256):
@@ -840,7 +838,11 @@ def _anchor_ordering_edges(new, graph_def, gate_names, dtypes, position, twins=f
         if not srcs:
             continue
         if node.op == "AddN":
-            continue  # see below: a gradient AddN is summed differently when ordered
+            # A gradient AddN ordered through a control input or a gate on one of its
+            # inputs was summed differently (NASNetMobile, nothing recomputed,
+            # bisected by target op type: 0.1 in some variables after 3 Adam steps),
+            # so it gets neither; its inputs still order it.
+            continue
         pos = stable_input(v)
         if pos is None:
             if in_group(v):
@@ -848,11 +850,8 @@ def _anchor_ordering_edges(new, graph_def, gate_names, dtypes, position, twins=f
                 # merging v's Add tree (or Mul chain), so its sum would be taken in
                 # another order. Found on NASNetMobile, nothing recomputed: its cells
                 # add two BatchNorm outputs (``x*s + b`` each); the strict edge on the
-                # cell's Add changed the first loss in the 7th digit. A gradient
-                # ``AddN`` ordered through a control input or a gate on one of its
-                # inputs was summed differently too (bisected by target op type:
-                # 0.1 in some variables after 3 Adam steps), so it gets neither.
-                # v's inputs still order it.
+                # cell's Add changed the first loss in the 7th digit. v's inputs
+                # still order it.
                 continue
             node.input.extend("^" + a for a in srcs)
             continue
