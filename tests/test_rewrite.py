@@ -287,3 +287,42 @@ def test_a_gradient_addn_gets_no_ordering_edge():
     nodes = {n.name: n for n in new.node}
     assert not [i for i in nodes[addn].input if i.startswith("^")]
     assert not [n for n in nodes if "_remat_order" in n]
+
+
+def _ancestors(gd, name) -> set:
+    """Every op ``name`` waits for in ``gd``, through data and control inputs."""
+    inputs = {n.name: [i.lstrip("^").split(":")[0] for i in n.input] for n in gd.node}
+    seen, todo = set(), [name]
+    while todo:
+        for p in inputs.get(todo.pop(), ()):
+            if p not in seen:
+                seen.add(p)
+                todo.append(p)
+    return seen
+
+
+def test_the_serial_order_of_big_allocations_runs_through_an_unordered_addn():
+    """Strict ordering chains big allocations one after another. An ``AddN`` gets no
+    ordering edge of its own (see the test above), so the big allocation after it
+    must wait for what the ``AddN`` would have: otherwise everything after it is
+    free to run early. Measured on the mixed-precision residual CNN, whose residual
+    gradients are AddNs: 86-98 MiB for a 66.9 MiB prediction, 68-70 MiB after."""
+    from tfremat.rewrite import rewrite_graph_def
+
+    @tf.function
+    def f(x):
+        a, b, c = tf.exp(x), tf.sin(x), tf.cos(x)
+        s = tf.add_n([a, b])
+        d = tf.tanh(x)
+        return s * c * d
+
+    traced = trace(f, (tf.ones((64, 64)),), {})
+    g = build_graph(traced.records, traced.arg_placeholders).graph
+    ops = {n.name: n.op for n in traced.graph_def.node}
+    order = list(g.graph["order"])
+    addn, cos, tanh = only(ops, "AddN"), only(ops, "Cos"), only(ops, "Tanh")
+    assert order.index(cos) < order.index(addn) < order.index(tanh), order
+    gd, _ = rewrite_graph_def(traced.graph_def, order, g, traced.dtypes, strict=True)
+    nodes = {n.name: n for n in gd.node}
+    assert not [i for i in nodes[addn].input if i.startswith("^")]
+    assert cos in _ancestors(gd, tanh), "the Tanh after the AddN no longer waits for the Cos before it"
