@@ -326,3 +326,36 @@ def test_the_serial_order_of_big_allocations_runs_through_an_unordered_addn():
     nodes = {n.name: n for n in gd.node}
     assert not [i for i in nodes[addn].input if i.startswith("^")]
     assert cos in _ancestors(gd, tanh), "the Tanh after the AddN no longer waits for the Cos before it"
+
+
+def test_an_edge_from_a_merged_product_moves_to_a_safe_op_it_reads():
+    """A control edge from an op the arithmetic optimizer merges (a Mul chain) would
+    block the merge, so it is re-seated; with no safe op after the source, the target
+    waits for the latest safe op the source reads, never for nothing (a target left
+    unordered runs as soon as its inputs exist: a reordered plan's dropout masks ran
+    at the step's start)."""
+    from tfremat.rewrite import _anchor_ordering_edges
+
+    @tf.function
+    def f(x, y):
+        p = tf.exp(y)
+        b = (p * 2.0) * 3.0
+        t = tf.sin(x)
+        return b, t
+
+    gd, _, ops, order = _traced(f, tf.ones((4,)), tf.ones((4,)))
+    (b,) = [n for n, op in ops.items() if op == "Mul" and n.endswith("mul_1")]
+    t, p = only(ops, "Sin"), only(ops, "Exp")
+    new = type(gd)()
+    new.CopyFrom(gd)
+    for n in new.node:
+        if n.name == t:
+            n.input.append("^" + b)
+    # the Sin after the product in the schedule, nothing safe in between
+    position = {name: k for k, name in enumerate(order)}
+    position[t] = max(position.values()) + 1
+    _anchor_ordering_edges(new, gd, set(), {n.name: [1] for n in gd.node}, position)
+    nodes = {n.name: n for n in new.node}
+    waits = [i for i in nodes[t].input if i.startswith("^")] + [
+        c for i in nodes[t].input if "_remat_order" in i for c in nodes[i.split(":")[0]].input if c.startswith("^")]
+    assert waits == ["^" + p], waits

@@ -28,6 +28,11 @@ ALIASING_OPS = frozenset(
     }
 )
 
+# Ops a graph rewrite fuses with a sibling (an op reading the same tensor): oneDNN's
+# layout pass fuses Conv2DBackpropFilter with the BiasAddGrad of the same gradient
+# (outside Grappler: it happens with the meta-optimizer off too).
+FUSED_WITH_SIBLING = frozenset({"BiasAddGrad", "Conv2DBackpropFilter"})
+
 # Elementwise kernels that write their output into an input's buffer when that input
 # has no other consumer (TensorFlow's forward_input_or_allocate_output).
 INPLACE_OPS = frozenset(

@@ -28,10 +28,11 @@ from typing import Iterable, Sequence
 
 import networkx as nx
 
-from .costs import ALIASING_OPS, INPLACE_OPS, NEVER_RECOMPUTE, op_cost
+from .costs import ALIASING_OPS, FUSED_WITH_SIBLING, INPLACE_OPS, NEVER_RECOMPUTE, op_cost
 from .simulate import simulate
 
 # Ops that read only their input's shape.
+ASAP_OPS = frozenset({"Add", "AddV2", "AddN", "Sub", "Mul", "Neg"}) | FUSED_WITH_SIBLING
 SHAPE_ONLY_OPS = frozenset({"Shape", "ShapeN", "Size", "Rank"})
 
 WRITE_PREFIXES = ("Assign", "ResourceApply", "ResourceSparseApply", "ResourceScatter", "ResourceStridedSliceAssign")
@@ -235,11 +236,17 @@ def build_graph(records: Sequence[OpRecord], argument_ops: Iterable[str] = ()) -
             h = producer(r.inputs[0])
             variable_sizes[h] = max(variable_sizes.get(h, 0), r.outputs[0].bytes)
 
+    # Precedences of the TensorFlow graph that hold no bytes: a Shape op reads its
+    # input's shape only, but it still runs after it (an order that put it first
+    # would close a cycle with the rewrite's ordering edges).
+    order_edges = []
     for r in records:
         for t in r.inputs:
             if r.op_type in SHAPE_ONLY_OPS:
                 # Shapes are static (trace.py refuses unknown ones), so Grappler folds
                 # these into constants: they neither need nor keep their input.
+                if producer(t) in by_name:
+                    order_edges.append((producer(t), r.name))
                 continue
             g.add_edge(producer(t), r.name, kind="data")
         for c in r.control_inputs:
@@ -282,9 +289,12 @@ def build_graph(records: Sequence[OpRecord], argument_ops: Iterable[str] = ()) -
     # that frees each gradient early), so they sort first among ready ops.
     position = {name: i for i, name in enumerate(order)}
     writes = {r.name for r in records if is_variable_write(r.op_type)}
+    with_order_edges = nx.DiGraph(g.edges)
+    with_order_edges.add_nodes_from(g.nodes)
+    with_order_edges.add_edges_from(order_edges)
     order = list(
         nx.lexicographical_topological_sort(
-            g, key=lambda v: (0 if v in writes else 1, position[v])
+            with_order_edges, key=lambda v: (0 if v in writes else 1, position[v])
         )
     )
 
@@ -314,7 +324,25 @@ def build_graph(records: Sequence[OpRecord], argument_ops: Iterable[str] = ()) -
     for v in g.nodes:
         if g.nodes[v]["phase"] != "forward":
             g.nodes[v]["recomputable"] = False
+    # Ops a rewrite fuses with a sibling share a ``sibling_group`` (the tensor they
+    # both read): an order that parts them invites a cycle once they are one node.
+    readers: dict = {}
+    for r in records:
+        if r.op_type in FUSED_WITH_SIBLING:
+            for t in dict.fromkeys(r.inputs):
+                readers.setdefault(t, []).append(r.name)
+    for t, names in readers.items():
+        if len(names) > 1:
+            for name in names:
+                g.nodes[name]["sibling_group"] = t
+    # Ops the rewrite gives no ordering control input (it would change Grappler's float
+    # rewrites or a oneDNN fusion, see rewrite.py): they run when their inputs are
+    # ready, and an order of first computations must put them there.
+    for r in records:
+        if r.op_type in ASAP_OPS:
+            g.nodes[r.name]["asap"] = True
     g.graph["order"] = order
+    g.graph["order_edges"] = [(u, v) for u, v in order_edges if not g.has_edge(u, v)]
     variable_bytes = sum(variable_sizes.values())
     return StepGraph(
         graph=g,

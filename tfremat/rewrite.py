@@ -22,6 +22,7 @@ from typing import Hashable, Mapping, Sequence
 
 import networkx as nx
 
+from .costs import FUSED_WITH_SIBLING
 from .errors import RematError
 
 COPY_SEP = "/_remat"
@@ -34,7 +35,7 @@ MAX_BARRIER_EDGES = 64
 # differed by ~3e-8 after 2 Adam steps. These ops get no ordering control inputs;
 # like small ops, the next big allocation waits for them (a control fanout does not
 # block the fusion).
-_FUSED_WITH_SIBLING = frozenset({"BiasAddGrad", "Conv2DBackpropFilter"})
+_FUSED_WITH_SIBLING = FUSED_WITH_SIBLING
 
 
 @dataclasses.dataclass(frozen=True)
@@ -831,7 +832,7 @@ def _anchor_ordering_edges(new, graph_def, gate_names, dtypes, position, twins=f
                 if in_group(s):
                     # Driving a control edge would block the merge: a later op that
                     # is scheduled before v anyway signals instead, or no edge.
-                    s = safe_successor(s, v) or (safe_predecessor(s, v) if v in gate_names else None)
+                    s = safe_successor(s, v) or safe_predecessor(s, v)
                     if s is None or is_ancestor(s, v):
                         continue
                 if s not in srcs:

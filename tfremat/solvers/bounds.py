@@ -22,7 +22,7 @@ below it.
 
 from __future__ import annotations
 
-from typing import Callable, Hashable, Iterable
+from typing import Callable, Hashable, Iterable, Sequence
 
 import networkx as nx
 
@@ -104,10 +104,11 @@ def once_lower_bound(graph: nx.DiGraph, fixed_bytes: int = 0,
 
 def fixed_order_lower_bound(graph: nx.DiGraph, fixed_bytes: int = 0,
                             once: Iterable[Node] | Callable[[nx.DiGraph], Iterable[Node]] | None = None,
-                            ) -> int:
+                            order: Sequence[Node] | None = None) -> int:
     """Lower bound on the peak of schedules that keep the reference order of first
-    occurrences and run the nodes ``once`` once: the plans tfremat's TensorFlow
-    rewriter emits (``once`` defaults to the non-recomputable nodes).
+    occurrences (or ``order``, a topological order) and run the nodes ``once`` once:
+    the plans tfremat's TensorFlow rewriter emits (``once`` defaults to the
+    non-recomputable nodes).
 
     Argument: at ``v``'s first computation, every ``u`` in ``once`` placed before
     ``v`` in the reference order has run (its only computation), and each consumer
@@ -117,7 +118,7 @@ def fixed_order_lower_bound(graph: nx.DiGraph, fixed_bytes: int = 0,
     Linear time: one sweep over the reference order.
     """
     once = _once_set(graph, once)
-    order = Problem(graph, 0).order
+    order = Problem(graph, 0).order if order is None else list(order)
     pos = {v: i for i, v in enumerate(order)}
     n = len(order)
     size = [int(graph.nodes[v]["bytes"]) for v in order]
