@@ -11,7 +11,7 @@ from tfremat.io import from_node_link, to_node_link
 from tfremat.simulate import reference_simulation, simulate
 from tfremat.solvers.evict import EvictionPlanner, low_peak_order
 
-from strategies import dags, training_graphs
+from strategies import dags, problems, training_graphs
 
 
 def bench_data(order=(0, 1, 2), edges=((0, 1), (1, 2))):
@@ -319,23 +319,51 @@ def _held_gradients(n: int = 5):
     return g
 
 
-def test_auto_plans_traces_below_the_floor_of_their_reference_order():
+def test_auto_reorder_plans_traces_below_the_floor_of_their_reference_order():
     """No plan keeping TensorFlow's order of first computations goes under its proven
-    floor; ``auto`` reorders first computations (each once-op still once) and does."""
+    floor (``auto`` keeps it); ``auto_reorder_solver`` reorders first computations
+    (each once-op still once) and does."""
     from tfremat.errors import InfeasibleBudgetError
     from tfremat.solvers import solve
+    from tfremat.solvers.auto import auto_reorder_solver
     from tfremat.solvers.bounds import fixed_order_lower_bound
 
     g = _held_gradients()
     floor = fixed_order_lower_bound(g)
     budget = floor - 10
-    plan = solve(Problem(g, budget))
+    plan = solve(Problem(g, budget), auto_reorder_solver)
     assert plan.predicted_peak_bytes <= budget
     assert all(plan.schedule.count(v) == 1 for v in g if not g.nodes[v]["recomputable"])
-    g.graph["keep_order"] = True
-    with pytest.raises(InfeasibleBudgetError) as e:
-        solve(Problem(g, budget))
-    assert e.value.min_feasible_bytes >= floor
+    for keep in (False, True):
+        g.graph["keep_order"] = keep
+        with pytest.raises(InfeasibleBudgetError) as e:
+            solve(Problem(g, budget), "auto" if not keep else auto_reorder_solver)
+        assert e.value.min_feasible_bytes >= floor
+
+
+@given(p=problems(training_graphs(tf_like=True)))
+def test_auto_reorder_is_valid_and_never_above_the_budget(p):
+    """The experimental solver under the same contract as every registered one: the
+    simulator accepts its schedule (``solve`` re-checks it), once-ops run once, and it
+    plans wherever ``auto`` does."""
+    from tfremat.errors import InfeasibleBudgetError
+    from tfremat.solvers import solve
+    from tfremat.solvers.auto import auto_reorder_solver
+
+    g, budget, fixed = p
+    try:
+        base = solve(Problem(g, budget, fixed), "auto")
+    except InfeasibleBudgetError:
+        base = None
+    try:
+        plan = solve(Problem(g, budget, fixed), auto_reorder_solver)
+    except InfeasibleBudgetError:
+        assert base is None
+        return
+    assert plan.predicted_peak_bytes <= budget
+    assert all(plan.schedule.count(v) == 1 for v in g if not g.nodes[v]["recomputable"])
+    if base is not None:
+        assert plan.cost <= base.cost
 
 
 def test_contiguous_orders_run_asap_ops_when_ready():
