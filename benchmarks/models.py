@@ -89,7 +89,7 @@ def _data(name, batch):
 def worker_table(name: str, role: str, baseline: int = 0, fraction: float = 0.6, steps: int = 8) -> dict:
     """One side of a table row, in a process of its own.
 
-    ``role="reference"``: Keras' own step (baseline peak and step time). ``"remat"``:
+    ``role="reference"``: Keras' own step (baseline peak). ``"remat"``:
     tfremat at ``fraction`` of ``baseline``. Separate processes, because the
     allocator's ``current`` counts everything in the process and tfremat plans around
     what it finds there (a reference model's leftovers would shrink its room).
@@ -102,18 +102,15 @@ def worker_table(name: str, role: str, baseline: int = 0, fraction: float = 0.6,
     x, y = _data(name, batch)
 
     def train(model):
-        peaks, times = [], []
+        peaks = []
         for _ in range(steps):
             tf.config.experimental.reset_memory_stats("CPU:0")
-            t0 = time.perf_counter()
             model.train_on_batch(x, y)
-            times.append(time.perf_counter() - t0)
             peaks.append(int(tf.config.experimental.get_memory_info("CPU:0")["peak"]))
-        return peaks, statistics.median(times[1:])
+        return peaks
 
     if role == "reference":
-        peaks, t = train(_make(name))
-        return dict(baseline=max(peaks), time=t)
+        return dict(baseline=max(train(_make(name))))
     model = _make(name)
     budget = fraction * baseline
     tfremat.keras.remat(model, budget_gib=budget / 2**30)
@@ -125,13 +122,13 @@ def worker_table(name: str, role: str, baseline: int = 0, fraction: float = 0.6,
         budget = 1.1 * e.min_feasible_bytes
         tfremat.keras.remat(model, budget_gib=budget / 2**30)
         plan = tfremat.keras.get_plan(model, x, y)
-    peaks, t = train(model)
+    peaks = train(model)
     plan = tfremat.keras.get_plan(model, x, y)  # the plan the later steps ran
     return dict(
         name=name, batch=batch, baseline=baseline, budget=budget, at_fraction=at_fraction,
         predicted=plan.predicted_peak_bytes, first=peaks[0], measured=max(peaks[1:]), last=max(peaks[-3:]),
         over=sum(p > budget for p in peaks),
-        time=t, recomputed=len(plan.recomputed), fixed=plan.fixed_bytes,
+        recomputed=len(plan.recomputed), fixed=plan.fixed_bytes,
     )
 
 
@@ -353,8 +350,6 @@ def main():
     def run_worker(*args, kind="--table-worker"):
         env = (_bfc_env(16384, onednn=a.onednn == "on") if a.allocator == "bfc"
                else dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
-        if kind == "--time-worker":
-            args = (args[0], args[2])  # name, budget
         r = subprocess.run([sys.executable, __file__, kind, *map(str, args)], env=env, capture_output=True, text=True)
         rows = [l for l in r.stdout.splitlines() if l.startswith("{")]
         if not rows:
@@ -365,7 +360,7 @@ def main():
         try:
             ref = run_worker(name, "reference", 0)
             d = run_worker(name, "remat", ref["baseline"])
-            t = run_worker(name, "time", d["budget"], kind="--time-worker")
+            t = run_worker(name, d["budget"], kind="--time-worker")
         except RuntimeError as e:
             lines.append(f"| {name} | failed: {e} |")
             print(lines[-1], flush=True)

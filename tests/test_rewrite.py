@@ -229,13 +229,33 @@ def test_no_op_reads_an_alias_of_a_buffer_the_plan_recomputed():
     assert not stale, stale
 
 
+def _anchored(gd, order, edges, position=None) -> dict:
+    """``gd`` with the ordering edges ``(target, source)`` added as strict ordering adds
+    them, then re-seated by ``_anchor_ordering_edges``: name -> node."""
+    from tfremat.rewrite import _anchor_ordering_edges
+
+    new = type(gd)()
+    new.CopyFrom(gd)
+    for n in new.node:
+        n.input.extend("^" + u for v, u in edges if v == n.name)
+    if position is None:
+        position = {name: k for k, name in enumerate(order)}
+    _anchor_ordering_edges(new, gd, set(), {n.name: [1] for n in gd.node}, position)
+    return {n.name: n for n in new.node}
+
+
+def _waits(nodes, name) -> list:
+    """The control inputs ``name`` waits on, directly or through its ordering gate."""
+    return [i for i in nodes[name].input if i.startswith("^")] + [
+        c for i in nodes[name].input if "_remat_order" in i
+        for c in nodes[i.split(":")[0]].input if c.startswith("^")]
+
+
 def test_an_ordering_edge_never_lands_on_an_add_tree_the_optimizer_merges():
     """``(x*s1 + t1) + (x*s2 + t2)`` (two BatchNorm outputs summed, as in NASNet's
     cells): the arithmetic optimizer merges the Add tree unless a member has a control
     input, and then sums in another order. An ordering edge onto the outer Add is
     dropped (its inputs still order it); on an op outside any tree it stays."""
-    from tfremat.rewrite import _anchor_ordering_edges
-
     @tf.function
     def f(x, y):
         p = tf.exp(y)
@@ -248,27 +268,15 @@ def test_an_ordering_edge_never_lands_on_an_add_tree_the_optimizer_merges():
     relu = only(ops, "Relu")
     (v,) = [n for n, op in ops.items() if op == "AddV2"
             and all(ops[i.split(":")[0]] == "AddV2" for i in by_name[n].input)]
-    new = type(gd)()
-    new.CopyFrom(gd)
-    for n in new.node:
-        if n.name in (v, relu):
-            n.input.append("^" + p)  # what the strict ordering adds
-    dtypes = {n.name: [1] for n in gd.node}
-    position = {name: k for k, name in enumerate(order)}
-    _anchor_ordering_edges(new, gd, set(), dtypes, position)
-    nodes = {n.name: n for n in new.node}
+    nodes = _anchored(gd, order, [(v, p), (relu, p)])
     assert not [i for i in nodes[v].input if i.startswith("^")]
-    gated = [i for i in nodes[relu].input if i.startswith("^")] or [
-        c for i in nodes[relu].input if "_remat_order" in i for c in nodes[i.split(":")[0]].input if c.startswith("^")]
-    assert gated == ["^" + p]
+    assert _waits(nodes, relu) == ["^" + p]
 
 
 def test_a_gradient_addn_gets_no_ordering_edge():
     """An ``AddN`` (how gradients of a tensor read twice are summed) ordered through a
     control input or a gate on an input was summed differently (NASNetMobile: 0.1 in
     some variables after 3 Adam steps, nothing recomputed): it gets no ordering edge."""
-    from tfremat.rewrite import _anchor_ordering_edges
-
     @tf.function
     def f(x, y):
         p = tf.exp(y)
@@ -277,14 +285,7 @@ def test_a_gradient_addn_gets_no_ordering_edge():
 
     gd, _, ops, order = _traced(f, tf.ones((4,)), tf.ones((4,)))
     addn, p = only(ops, "AddN"), only(ops, "Exp")
-    new = type(gd)()
-    new.CopyFrom(gd)
-    for n in new.node:
-        if n.name == addn:
-            n.input.append("^" + p)
-    _anchor_ordering_edges(new, gd, set(), {n.name: [1] for n in gd.node},
-                           {name: k for k, name in enumerate(order)})
-    nodes = {n.name: n for n in new.node}
+    nodes = _anchored(gd, order, [(addn, p)])
     assert not [i for i in nodes[addn].input if i.startswith("^")]
     assert not [n for n in nodes if "_remat_order" in n]
 
@@ -334,8 +335,6 @@ def test_an_edge_from_a_merged_product_moves_to_a_safe_op_it_reads():
     waits for the latest safe op the source reads, never for nothing (a target left
     unordered runs as soon as its inputs exist: a reordered plan's dropout masks ran
     at the step's start)."""
-    from tfremat.rewrite import _anchor_ordering_edges
-
     @tf.function
     def f(x, y):
         p = tf.exp(y)
@@ -346,16 +345,8 @@ def test_an_edge_from_a_merged_product_moves_to_a_safe_op_it_reads():
     gd, _, ops, order = _traced(f, tf.ones((4,)), tf.ones((4,)))
     (b,) = [n for n, op in ops.items() if op == "Mul" and n.endswith("mul_1")]
     t, p = only(ops, "Sin"), only(ops, "Exp")
-    new = type(gd)()
-    new.CopyFrom(gd)
-    for n in new.node:
-        if n.name == t:
-            n.input.append("^" + b)
     # the Sin after the product in the schedule, nothing safe in between
     position = {name: k for k, name in enumerate(order)}
     position[t] = max(position.values()) + 1
-    _anchor_ordering_edges(new, gd, set(), {n.name: [1] for n in gd.node}, position)
-    nodes = {n.name: n for n in new.node}
-    waits = [i for i in nodes[t].input if i.startswith("^")] + [
-        c for i in nodes[t].input if "_remat_order" in i for c in nodes[i.split(":")[0]].input if c.startswith("^")]
-    assert waits == ["^" + p], waits
+    nodes = _anchored(gd, order, [(t, b)], position)
+    assert _waits(nodes, t) == ["^" + p], _waits(nodes, t)

@@ -32,8 +32,11 @@ from .costs import ALIASING_OPS, FUSED_WITH_SIBLING, INPLACE_OPS, NEVER_RECOMPUT
 from .simulate import simulate
 
 # Ops that read only their input's shape.
-ASAP_OPS = frozenset({"Add", "AddV2", "AddN", "Sub", "Mul", "Neg"}) | FUSED_WITH_SIBLING
 SHAPE_ONLY_OPS = frozenset({"Shape", "ShapeN", "Size", "Rank"})
+# Ops the rewrite may leave without an ordering control input (node attribute "asap"):
+# Add/Mul-family ops Grappler's arithmetic optimizer merges, gradient AddNs, and the
+# fused siblings (see rewrite.py).
+ASAP_OPS = frozenset({"Add", "AddV2", "AddN", "Sub", "Mul", "Neg"}) | FUSED_WITH_SIBLING
 
 WRITE_PREFIXES = ("Assign", "ResourceApply", "ResourceSparseApply", "ResourceScatter", "ResourceStridedSliceAssign")
 

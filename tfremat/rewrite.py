@@ -28,14 +28,12 @@ from .errors import RematError
 COPY_SEP = "/_remat"
 MAX_BARRIER_EDGES = 64
 
-# Ops the remapper fuses with a sibling (an op reading the same tensor): oneDNN fuses
-# Conv2DBackpropFilter with the BiasAddGrad of the same gradient, but not when either
-# has a control input. Found by the Keras Hypothesis test: the strict-ordering edge
-# Conv2DBackpropInput -> Conv2DBackpropFilter blocked the fusion and the conv bias
-# differed by ~3e-8 after 2 Adam steps. These ops get no ordering control inputs;
-# like small ops, the next big allocation waits for them (a control fanout does not
-# block the fusion).
-_FUSED_WITH_SIBLING = FUSED_WITH_SIBLING
+# FUSED_WITH_SIBLING (costs.py): oneDNN fuses Conv2DBackpropFilter with the
+# BiasAddGrad of the same gradient, but not when either has a control input. Found by
+# the Keras Hypothesis test: the strict-ordering edge Conv2DBackpropInput ->
+# Conv2DBackpropFilter blocked the fusion and the conv bias differed by ~3e-8 after 2
+# Adam steps. These ops get no ordering control inputs; like small ops, the next big
+# allocation waits for them (a control fanout does not block the fusion).
 
 
 @dataclasses.dataclass(frozen=True)
@@ -323,13 +321,13 @@ def rewrite_graph_def(
         fused with the Conv2DBackpropFilter that reads the recomputed input).
         """
         src = originals.get(u)
-        if src is None or src.op not in _FUSED_WITH_SIBLING:
+        if src is None or src.op not in FUSED_WITH_SIBLING:
             return False
         for inp in src.input:
             if inp.startswith("^"):
                 continue
             for sib in data_consumers.get(_split(inp)[0], ()):
-                if sib != u and originals[sib].op in _FUSED_WITH_SIBLING and sib not in pos_of_original:
+                if sib != u and originals[sib].op in FUSED_WITH_SIBLING and sib not in pos_of_original:
                     return True
         return False
 
@@ -397,7 +395,7 @@ def rewrite_graph_def(
         # interleaved, holding one activation more each (docs/design.md).
         if strict and phase(v) != "input":
             data_srcs = {_split(i)[0] for i in node.input if not i.startswith("^")}
-            if graph.nodes[v]["bytes"] >= min_bytes and src.op not in _FUSED_WITH_SIBLING:
+            if graph.nodes[v]["bytes"] >= min_bytes and src.op not in FUSED_WITH_SIBLING:
                 # A big allocation waits for the previous big one and for every
                 # small op since then that reads a big tensor (and so frees it).
                 waits = pending_small + ([prev_serial] if prev_serial else [])

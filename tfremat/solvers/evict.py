@@ -395,11 +395,15 @@ def memory_greedy_order(graph: nx.DiGraph, order: Sequence[Node], rng=None,
 
     heap: list = []
     forced: list = []
+
+    def became_ready(v):
+        push(v)
+        if contiguous and nodes[v].get("asap"):
+            forced.append(v)
+
     for v in graph:
         if indeg[v] == 0:
-            push(v)
-            if contiguous and nodes[v].get("asap"):
-                forced.append(v)
+            became_ready(v)
     groups: dict = {}
     if contiguous:
         for v, k in graph.nodes(data="sibling_group"):
@@ -426,9 +430,7 @@ def memory_greedy_order(graph: nx.DiGraph, order: Sequence[Node], rng=None,
         for w in succ + after.get(v, []):
             indeg[w] -= 1
             if indeg[w] == 0:
-                push(w)
-                if contiguous and nodes[w].get("asap"):
-                    forced.append(w)
+                became_ready(w)
         if contiguous:
             if len(succ) == 1 and indeg[succ[0]] == 0:
                 forced.append(succ[0])
