@@ -130,10 +130,12 @@ def _trace_order(problem: Problem, deadline: float) -> list | None:
     than needed (a BatchNorm gradient's three activation-sized partial results across
     forty ops, weight gradients from their op to the optimizer). Memory-greedy list
     orders, deterministic and randomized, are scored by that floor (linear time) and
-    the lowest wins. Measured floors and smallest budgets, reference -> this order:
-    MobileNetV2 (batch 64) 65.0 -> 53.0 MiB and 68.0 -> 55.8 MiB, the BatchNorm
-    CNN 49.4 -> 41.4 and 51.4 -> 43.4, the Transformer (batch 64) 19.4 -> 15.4 and
-    22.1 -> 19.9, the LSTM+GRU model 31.1 -> 27.1 and 33.9 -> 31.1.
+    the lowest wins. Measured floors and smallest solver targets, reference -> this
+    order (with the ``contiguous`` and ``asap`` constraints): MobileNetV2 (batch 64)
+    65.0 -> 59.0 MiB and 68.0 -> 61.1 MiB, the BatchNorm CNN 49.4 -> 41.4 and
+    51.4 -> 43.4, the LSTM+GRU model 31.1 -> 27.1 and 33.9 -> 31.1; none lower for
+    the Transformer. (Without the constraints MobileNetV2 reached 53.0 and 55.8, in
+    orders the executor would not follow.)
     """
     import random
 
