@@ -350,3 +350,31 @@ def test_an_edge_from_a_merged_product_moves_to_a_safe_op_it_reads():
     position[t] = max(position.values()) + 1
     nodes = _anchored(gd, order, [(t, b)], position)
     assert _waits(nodes, t) == ["^" + p], _waits(nodes, t)
+
+
+def test_big_allocations_may_run_ahead_by_at_most_run_ahead_bytes():
+    """Strict ordering lets a big op run alongside the big ops scheduled just before
+    it as long as those hold at most ``run_ahead`` bytes: with 0 every big op waits
+    for the previous one (one core idles), by default (the largest tensor) for the
+    one before that, and with an unbounded allowance for none."""
+    from tfremat.rewrite import rewrite_graph_def
+
+    @tf.function
+    def f(x):
+        return [op(x) for op in (tf.exp, tf.sin, tf.cos, tf.tanh, tf.sqrt)]
+
+    traced = trace(f, (tf.ones((64, 64)),), {})
+    g = build_graph(traced.records, traced.arg_placeholders).graph
+    ops = {n.name: n.op for n in traced.graph_def.node}
+    order = list(g.graph["order"])
+    chain = [n for n in order if ops[n] in ("Exp", "Sin", "Cos", "Tanh", "Sqrt")]
+    assert len(chain) == 5
+
+    def waits(**kw):
+        """For each op of the chain, the earlier ones it waits for."""
+        gd, _ = rewrite_graph_def(traced.graph_def, order, g, traced.dtypes, strict=True, **kw)
+        return [sorted(chain.index(u) for u in _ancestors(gd, v) if u in chain) for v in chain]
+
+    assert waits(run_ahead=0) == [list(range(k)) for k in range(5)]
+    assert waits() == [[], [], [0], [1], [0, 2]]  # two interleaved chains
+    assert waits(run_ahead=10**12) == [[]] * 5
