@@ -61,6 +61,20 @@ __all__ = ["auto_solver", "auto_reorder_solver"]
 DEFAULT_TIME_LIMIT_S = 9.0  # the 10 s per-solve target, with a margin
 RESTART_S = 5.0
 RESTART_FIXED_ORDER_S = 1.5
+#: Op-level traces: the eviction variants and their restarts get
+#: ``n / TRACE_OPS_PER_S`` seconds, between RESTART_FIXED_ORDER_S and
+#: TRACE_RESTART_MAX_S (a restart takes ~0.1 s on 2,000 ops, and their gains keep
+#: coming). Measured at the 60 % budgets: the test CNN's 2,098-op trace went from
+#: +59.5 % compute after the deterministic variants to +34 % (seed 1) or +51 %
+#: (seed 0) after 25 restarts, +26-27 % after 100; the Transformer's 2,577 ops from
+#: +20.1 % to +15-17 % after 100.
+TRACE_OPS_PER_S = 300.0
+TRACE_RESTART_MAX_S = 8.0
+#: Noise of the restarts on traces (log-space standard deviations, cycled). On the
+#: two traces above, 100 restarts with seeds 0 and 1: CNN +26.2/+26.6 % (the
+#: layer-graph schedule 0.1/0.3/1.0: +26.2/+27.1 %), Transformer +15.2/+15.9 %
+#: (+17.5/+18.6 %).
+TRACE_SIGMAS = (0.3, 1.0, 2.0)
 #: Default limit and restart time for graphs without a backward phase whose every
 #: node may be reordered, above POLISH_MAX_NODES nodes.
 FORWARD_TIME_LIMIT_S = 20.0
@@ -248,7 +262,8 @@ def _portfolio(problem: Problem) -> Plan:
     # restarts and the CP-SAT polish that close the gap to the best known plans.
     reorder = _may_reorder(g)
     polish = reorder and n <= POLISH_MAX_NODES
-    restart_s = RESTART_S if reorder else RESTART_FIXED_ORDER_S
+    restart_s = RESTART_S if reorder else min(
+        TRACE_RESTART_MAX_S, max(RESTART_FIXED_ORDER_S, n / TRACE_OPS_PER_S))
     # Reordering only graphs without a backward phase: on the seven Checkmate
     # training graphs no reordered peak was below the reference order's, and the
     # search took up to 2 s (ResNet50) better spent on the members below.
@@ -290,7 +305,7 @@ def _portfolio(problem: Problem) -> Plan:
             lowest = min(lowest, e.min_feasible_bytes)
     planner = EvictionPlanner(g, problem.order)
     evict_deadline = min(deadline - (POLISH_S if polish else 0.0),
-                         time.perf_counter() + (1.0 if big else restart_s))
+                         time.perf_counter() + (1.0 if big and reorder else restart_s))
     if order0 is not None:
         # No backward phase and every op may be reordered: plan on the low-peak
         # order too, with the cone variants (which alone find plans on the larger
@@ -319,13 +334,17 @@ def _portfolio(problem: Problem) -> Plan:
     else:
         # Random restarts get what time is left, but at most a few seconds past the
         # deterministic variants: their gains flatten quickly (docs/solvers.md).
+        # Big traces: the three best variants and the first keep-source one (the
+        # Transformer's trace at 60 %: +20.1 % compute alone, the others +22.7 % or
+        # more), then restarts in the time left.
         best, low = evict_plan(
             problem,
-            variants=VARIANTS[:3] if big else VARIANTS,
+            variants=VARIANTS[:3] + KEEP_SOURCE_VARIANTS[:1] if big else VARIANTS,
             deadline=evict_deadline,
             planner=planner,
             best=best,
-            restarts=not big,
+            restarts=not big or not reorder,
+            sigmas=(0.1, 0.3, 1.0) if reorder else TRACE_SIGMAS,
         )
     if low is not None:
         lowest = min(lowest, low)

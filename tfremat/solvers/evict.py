@@ -546,12 +546,13 @@ def variants_pass(problem: Problem, variants, planner: EvictionPlanner, deadline
 
 
 def restart_search(problem: Problem, planner: EvictionPlanner, variant, best, deadline: float,
-                   seed: int = 0, others=()):
+                   seed: int = 0, others=(), sigmas=(0.1, 0.3, 1.0)):
     """Improve ``best`` by restarts with ``variant``'s keys randomly perturbed.
 
     Log-normal noise per value escapes the greedy rule's ties and myopia. Stops at
     the deadline or after a run of restarts without a gain. With ``others`` the
-    restarts cycle through ``variant`` and those variants.
+    restarts cycle through ``variant`` and those variants; the k-th restart's noise
+    has standard deviation ``sigmas[k % len(sigmas)]`` (in log space).
     """
     rng = np.random.default_rng(seed)
     cycle = [_full(variant)] + [_full(v) for v in others if _full(v) != _full(variant)]
@@ -561,7 +562,7 @@ def restart_search(problem: Problem, planner: EvictionPlanner, variant, best, de
         # on bigger graphs, where gains come later; tiny graphs stay fast).
         if time.perf_counter() > deadline or stale >= min(200, 20 + 2 * planner.n):
             break
-        sigma = (0.1, 0.3, 1.0)[k % 3]
+        sigma = sigmas[k % len(sigmas)]
         sc, nb, ks, cn = cycle[k % len(cycle)]
         noise = np.exp(sigma * rng.standard_normal(planner.n))
         before = best[0]
@@ -573,7 +574,7 @@ def restart_search(problem: Problem, planner: EvictionPlanner, variant, best, de
 
 def evict_plan(problem: Problem, variants=VARIANTS, deadline: float | None = None,
                planner: EvictionPlanner | None = None, best=None, restarts: bool = True,
-               seed: int = 0):
+               seed: int = 0, sigmas=(0.1, 0.3, 1.0)):
     """Cheapest eviction schedule as (cost, schedule), or None; and the lowest peak seen.
 
     Tries each (score, neighbourhood[, keep_sources[, cone]]) variant, each with its
@@ -587,7 +588,8 @@ def evict_plan(problem: Problem, variants=VARIANTS, deadline: float | None = Non
     planner = planner or EvictionPlanner(problem.graph, problem.order)
     best, lowest, winner = variants_pass(problem, variants, planner, deadline, best)
     if restarts and best is not None and time.perf_counter() < deadline:
-        best = restart_search(problem, planner, winner or variants[0], best, deadline, seed)
+        best = restart_search(problem, planner, winner or variants[0], best, deadline, seed,
+                              sigmas=sigmas)
     return best, lowest
 
 
