@@ -383,3 +383,48 @@ def test_contiguous_orders_run_asap_ops_when_ready():
     g.nodes["a"]["asap"] = True
     o = memory_greedy_order(g, order, contiguous=True)
     assert o.index("a") == o.index("s") + 1
+
+
+@given(g=st.one_of(training_graphs(), dags()), frac=st.floats(0.2, 1.0), extra=st.floats(0.0, 0.5),
+       keep=st.booleans())
+def test_dropping_recomputations_keeps_plans_valid_within_budget_and_never_dearer(g, frac, extra, keep):
+    """Plans made under a working cap (eviction) are given a higher budget: the pass
+    may only remove recomputations, stay within that budget and keep the order of
+    first computations."""
+    from tfremat.solvers.common import drop_recomputations
+
+    ref = reference_simulation(g).peak_bytes
+    cap = int(frac * ref)
+    pl = EvictionPlanner(g, g.graph["order"])
+    pos = pl.run(cap, "cost_bytes", keep_sources=keep)
+    if pos is None:
+        return
+    sched = pl.nodes(pos)
+    before = simulate(g, sched)
+    budget = max(before.peak_bytes, int(cap * (1 + extra)))
+    out = drop_recomputations(Problem(g, budget, 0), sched)
+    after = simulate(g, out)  # raises if invalid
+    assert after.peak_bytes <= budget
+    assert after.cost <= before.cost
+    assert list(dict.fromkeys(out)) == list(dict.fromkeys(sched))
+    assert len(out) <= len(sched)
+
+
+def test_dropping_recomputations_removes_what_the_budget_does_not_need():
+    """Chain a -> b -> c -> d, and e reads a: recomputing a before e keeps the peak at
+    two values; with room for three the recomputation goes, with room for two it
+    stays. A recomputation nobody reads goes whatever the budget."""
+    import networkx as nx
+
+    from tfremat.solvers.common import drop_recomputations
+
+    g = nx.DiGraph()
+    for v in "abcde":
+        g.add_node(v, bytes=10, cost=1)
+    g.add_edges_from([("a", "b"), ("b", "c"), ("c", "d"), ("a", "e")])
+    g.graph["order"] = list("abcde")
+    sched = list("abcdae")
+    assert simulate(g, sched).peak_bytes == 20
+    assert drop_recomputations(Problem(g, 20, 0), sched) == sched
+    assert drop_recomputations(Problem(g, 30, 0), sched) == list("abcde")
+    assert drop_recomputations(Problem(g, 20, 0), list("abcdaeb")) == sched
