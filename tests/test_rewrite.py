@@ -378,3 +378,35 @@ def test_big_allocations_may_run_ahead_by_at_most_run_ahead_bytes():
     assert waits(run_ahead=0) == [list(range(k)) for k in range(5)]
     assert waits() == [[], [], [0], [1], [0, 2]]  # two interleaved chains
     assert waits(run_ahead=10**12) == [[]] * 5
+
+
+def test_fanout_dummies_skip_the_ordering_gate_in_front_of_a_copy():
+    """An ordering gate in front of a copy (``<op>/_remat1/_remat_order``) reads the
+    copy's input, not its output: it must not be given the op's fan-out dummies,
+    whose dtype is the output's (found on the mixed-precision CNN: a float dummy on
+    the half input of a recomputed Cast, and the rewritten step failed to import)."""
+    from tfremat.rewrite import COPY_SEP, _add_identity, _restore_fanout
+
+    @tf.function
+    def f(x):
+        c = tf.cast(x, tf.float32)
+        return tf.exp(c), tf.sin(c)
+
+    traced = trace(f, (tf.ones((4,), tf.float16),), {})
+    gd = traced.graph_def
+    cast = only({n.name: n.op for n in gd.node}, "Cast")
+    (x,) = [i for i in next(n for n in gd.node if n.name == cast).input if not i.startswith("^")]
+    new = type(gd)()
+    new.CopyFrom(gd)
+    copy = new.node.add()
+    copy.CopyFrom(next(n for n in gd.node if n.name == cast))
+    copy.name = f"{cast}{COPY_SEP}1"
+    gate = f"{copy.name}{COPY_SEP}_order"
+    _add_identity(new, gate, x, tf.float16.as_datatype_enum, copy.device, [], preserved=True)
+    del copy.input[:]
+    copy.input.append(gate)
+    _restore_fanout(new, gd, traced.dtypes)
+    assert not [n.name for n in new.node if n.name.startswith(gate + COPY_SEP)]
+    assert [n.name for n in new.node if n.name.startswith(copy.name + COPY_SEP + "_fanout")]
+    with tf.Graph().as_default():
+        tf.graph_util.import_graph_def(new, name="")  # raised on a dtype mismatch

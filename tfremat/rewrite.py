@@ -504,9 +504,12 @@ def _restore_fanout(new, graph_def, dtypes) -> None:
     ops = {n.name: n for n in graph_def.node}
     dummies = []
     for n in list(new.node):
-        base = n.name.split(COPY_SEP)[0]
-        if base not in ops or ops[base].op in _CONSTS or n.name.startswith(base + COPY_SEP + "_"):
-            continue  # not an original op or a copy (gates, anchors), or a constant
+        # Originals and their copies only: a gate or an ordering anchor in front of a
+        # copy (``<op>/_remat1/_remat_order``) reads the copy's input, whose dtype may
+        # differ (found on the mixed-precision CNN: a float dummy on a half Cast input).
+        base = n.name if n.name in ops else _copy_base(n.name)
+        if base is None or base not in ops or ops[base].op in _CONSTS:
+            continue  # a gate, anchor or fan-out node of this rewrite, or a constant
         for k, want in ref.get(base, ()):
             have = cur.get((n.name, k), 0)
             types = dtypes.get(base) or []
