@@ -191,7 +191,7 @@ def rewrite_graph_def(
     graph: nx.DiGraph,
     dtypes: Mapping[str, Sequence[int]],
     strict: bool = True,
-    run_ahead: int | None = None,
+    run_ahead: int = 0,
 ):
     """Return ``(new_graph_def, RewriteInfo)`` realizing ``schedule`` on ``graph_def``.
 
@@ -361,8 +361,6 @@ def rewrite_graph_def(
     # Conv2DBackpropFilter + BiasAddGrad), and the fused node closed a cycle.
     largest = max((graph.nodes[v]["bytes"] for v in graph.nodes), default=0)
     min_bytes = max(1, largest // 64)
-    if run_ahead is None:
-        run_ahead = 0
     for j, v in enumerate(schedule):
         k = count.get(v, 0)
         count[v] = k + 1
@@ -417,8 +415,9 @@ def rewrite_graph_def(
         if strict and phase(v) != "input":
             data_srcs = {_split(i)[0] for i in node.input if not i.startswith("^")}
             if graph.nodes[v]["bytes"] >= min_bytes and src.op not in FUSED_WITH_SIBLING:
-                # A big allocation waits for the previous big one and for every
-                # small op since then that reads a big tensor (and so frees it).
+                # A big allocation waits for an earlier big one (the previous one
+                # unless run_ahead allows more) and for every small op up to there
+                # that reads a big tensor (and so frees it).
                 waits = list(carry)
                 i, ahead = len(lanes) - 1, 0
                 while i > 0 and ahead + lanes[i][1] <= run_ahead:

@@ -46,6 +46,7 @@ from .bounds import fixed_order_lower_bound
 from .evict import (
     CONE_VARIANTS,
     KEEP_SOURCE_VARIANTS,
+    RESTART_SIGMAS,
     VARIANTS,
     EvictionPlanner,
     evict_plan,
@@ -346,7 +347,7 @@ def _portfolio(problem: Problem) -> Plan:
             planner=planner,
             best=best,
             restarts=not big or not reorder,
-            sigmas=(0.1, 0.3, 1.0) if reorder else TRACE_SIGMAS,
+            sigmas=RESTART_SIGMAS if reorder else TRACE_SIGMAS,
         )
     if low is not None:
         lowest = min(lowest, low)

@@ -107,7 +107,7 @@ def _drop_pass(problem: Problem, sched: list) -> list:
     # Copies nobody reads any more (their readers were dropped), repeatedly.
     result = [v for j, v in enumerate(sched) if not dropped[j]]
     while True:
-        latest, used, pos = {}, set(), []
+        latest, used = {}, set()
         for k, v in enumerate(result):
             for u in g.predecessors(v):
                 used.add(latest[u])

@@ -70,6 +70,10 @@ KEEP_SOURCE_VARIANTS = (
 #: no plan on n500 or n1000 (single steps thrash); the first fits both (n1000 at
 #: 2.04x the every-node-once cost), the second n500 at +3.9 %, Belady-cone is a
 #: last resort for feasibility (docs/solvers.md).
+#: Log-space standard deviations of the restarts' key noise, cycled (layer-level
+#: graphs; ``auto`` uses wider ones on traces).
+RESTART_SIGMAS = (0.1, 0.3, 1.0)
+
 CONE_VARIANTS = (
     ("cost_bytes_dist", True, True, True),
     ("cost_bytes", True, True, True),
@@ -546,7 +550,7 @@ def variants_pass(problem: Problem, variants, planner: EvictionPlanner, deadline
 
 
 def restart_search(problem: Problem, planner: EvictionPlanner, variant, best, deadline: float,
-                   seed: int = 0, others=(), sigmas=(0.1, 0.3, 1.0)):
+                   seed: int = 0, others=(), sigmas=RESTART_SIGMAS):
     """Improve ``best`` by restarts with ``variant``'s keys randomly perturbed.
 
     Log-normal noise per value escapes the greedy rule's ties and myopia. Stops at
@@ -574,7 +578,7 @@ def restart_search(problem: Problem, planner: EvictionPlanner, variant, best, de
 
 def evict_plan(problem: Problem, variants=VARIANTS, deadline: float | None = None,
                planner: EvictionPlanner | None = None, best=None, restarts: bool = True,
-               seed: int = 0, sigmas=(0.1, 0.3, 1.0)):
+               seed: int = 0, sigmas=RESTART_SIGMAS):
     """Cheapest eviction schedule as (cost, schedule), or None; and the lowest peak seen.
 
     Tries each (score, neighbourhood[, keep_sources[, cone]]) variant, each with its
