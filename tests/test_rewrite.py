@@ -354,14 +354,16 @@ def test_an_edge_from_a_merged_product_moves_to_a_safe_op_it_reads():
 
 def test_big_allocations_may_run_ahead_by_at_most_run_ahead_bytes():
     """Strict ordering lets a big op run alongside the big ops scheduled just before
-    it as long as those hold at most ``run_ahead`` bytes: with 0 (the default) every
-    big op waits for the previous one, with one tensor's bytes for the one before
-    that, and with an unbounded allowance for none."""
+    it as long as those hold at most ``run_ahead`` bytes: with 0 every big op waits
+    for the previous one, with one tensor's bytes (the default here: the largest
+    op's output) for the one before that, and with an unbounded allowance for none."""
     from tfremat.rewrite import rewrite_graph_def
 
     @tf.function
     def f(x):
-        return [op(x) for op in (tf.exp, tf.sin, tf.cos, tf.tanh, tf.sqrt)]
+        ys = [op(x) for op in (tf.exp, tf.sin, tf.cos, tf.tanh, tf.sqrt)]
+        # a second consumer each: a single-consumer op is never waited for (below)
+        return ys + [tf.reduce_sum(y) for y in ys]
 
     traced = trace(f, (tf.ones((64, 64)),), {})
     g = build_graph(traced.records, traced.arg_placeholders).graph
@@ -376,10 +378,67 @@ def test_big_allocations_may_run_ahead_by_at_most_run_ahead_bytes():
         return [sorted(chain.index(u) for u in _ancestors(gd, v) if u in chain) for v in chain]
 
     size = g.nodes[chain[0]]["bytes"]
+    assert max(b for _, b in g.nodes(data="bytes")) == size
     assert waits(run_ahead=0) == [list(range(k)) for k in range(5)]
-    assert waits() == waits(run_ahead=0)
     assert waits(run_ahead=size) == [[], [], [0], [1], [0, 2]]  # two interleaved chains
+    assert waits() == waits(run_ahead=size)
     assert waits(run_ahead=10**12) == [[]] * 5
+
+
+def test_running_ahead_stays_within_run_ahead_bytes_of_the_peak():
+    """A big op runs ahead only where the schedule's memory leaves room for it (and
+    the ops it overtakes) within ``run_ahead`` bytes of the simulated peak: ``cos``
+    could start with ``exp``, but ``sin`` runs at the peak (x, exp and sin live), so
+    with one tensor's allowance ``cos`` waits for ``sin``."""
+    from tfremat.rewrite import rewrite_graph_def
+
+    @tf.function
+    def f(x):
+        a = tf.exp(x)
+        b = tf.sin(a)
+        s = tf.reduce_sum(a) + tf.reduce_sum(b) + tf.reduce_max(b)
+        return tf.cos(x), s
+
+    traced = trace(f, (tf.ones((64, 64)),), {})
+    g = build_graph(traced.records, traced.arg_placeholders).graph
+    ops = {n.name: n.op for n in traced.graph_def.node}
+    order = list(g.graph["order"])
+    exp, sin, cos = (only(ops, t) for t in ("Exp", "Sin", "Cos"))
+    size = g.nodes[cos]["bytes"]
+
+    def waits(run_ahead):
+        gd, _ = rewrite_graph_def(traced.graph_def, order, g, traced.dtypes, strict=True, run_ahead=run_ahead)
+        return {u for u in _ancestors(gd, cos) if u in (exp, sin)}
+
+    assert waits(0) == {exp, sin}
+    assert waits(size) == {exp, sin}  # without the peak rule: {exp}
+    assert waits(2 * size) == {exp}
+    assert waits(10**12) == set()
+
+
+def test_a_big_op_never_waits_for_a_single_consumer_op():
+    """Grappler fuses an op into its only consumer (``x * sigmoid(x)`` into oneDNN's
+    Swish) only when it has no control fanout: running ahead must not make a big op
+    wait for the ``Sigmoid`` (EfficientNetB0 lost bitwise equality that way); it
+    waits for the product, later, instead."""
+    from tfremat.rewrite import rewrite_graph_def
+
+    @tf.function
+    def f(x):
+        a = tf.exp(x)
+        sw = a * tf.sigmoid(a)
+        return tf.cos(x), tf.reduce_sum(sw) + tf.reduce_max(sw) + tf.reduce_sum(a)
+
+    traced = trace(f, (tf.ones((64, 64)),), {})
+    g = build_graph(traced.records, traced.arg_placeholders).graph
+    order = list(g.graph["order"])
+    ops = {n.name: n.op for n in traced.graph_def.node}
+    sig, cos = only(ops, "Sigmoid"), only(ops, "Cos")
+    size = g.nodes[cos]["bytes"]
+    for run_ahead in (0, size, 2 * size, 3 * size):
+        gd, _ = rewrite_graph_def(traced.graph_def, order, g, traced.dtypes, strict=True, run_ahead=run_ahead)
+        nodes = {n.name: n for n in gd.node}
+        assert not [n.name for n in gd.node if "^" + sig in n.input], run_ahead
 
 
 def test_fanout_dummies_skip_the_ordering_gate_in_front_of_a_copy():

@@ -23,7 +23,8 @@ from typing import Hashable, Mapping, Sequence
 import networkx as nx
 
 from .costs import FUSED_WITH_SIBLING
-from .errors import RematError
+from .errors import InvalidScheduleError, RematError
+from .simulate import simulate
 
 COPY_SEP = "/_remat"
 MAX_BARRIER_EDGES = 64
@@ -178,6 +179,18 @@ def _with_fresh_aliases(schedule: Sequence[Hashable], graph: nx.DiGraph, data_in
     return out
 
 
+def _room_under_peak(graph: nx.DiGraph, schedule: Sequence[Hashable]):
+    """Bytes between the schedule's simulated peak and its memory at each position
+    (numpy int64); zeros where the schedule does not simulate (no running ahead)."""
+    import numpy as np
+
+    try:
+        mem = simulate(graph, schedule).memory
+    except InvalidScheduleError:
+        return np.zeros(len(schedule), np.int64)
+    return mem.max() - mem
+
+
 def _split(tensor: str) -> tuple[str, str]:
     if ":" in tensor:
         op, idx = tensor.rsplit(":", 1)
@@ -191,7 +204,7 @@ def rewrite_graph_def(
     graph: nx.DiGraph,
     dtypes: Mapping[str, Sequence[int]],
     strict: bool = True,
-    run_ahead: int = 0,
+    run_ahead: int | None = None,
 ):
     """Return ``(new_graph_def, RewriteInfo)`` realizing ``schedule`` on ``graph_def``.
 
@@ -209,7 +222,7 @@ def rewrite_graph_def(
         Also order the original ops as the schedule does, where it matters for
         memory: every op whose output is at least 1/64 of the largest tensor (a big
         allocation) waits, through a control edge, for an earlier big allocation
-        (the previous one, or one a little further back: ``run_ahead``) and for every
+        (the previous one, or one further back: ``run_ahead``) and for every
         smaller op scheduled up to that one that reads a big tensor (its run frees
         that tensor). Chaining *every* op instead put control edges
         between ops Grappler later fuses or rewrites, which closed cycles.
@@ -221,14 +234,18 @@ def rewrite_graph_def(
         With ``strict``, how many bytes of big allocations may run ahead of the
         schedule: a big op waits for the latest big op such that the big ops
         scheduled between them hold at most this many bytes, not for the previous
-        one. Default 0: every big allocation serially. Measured (2 cores): the
-        Transformer test model with nothing recomputed ran 1.22x Keras' step time
-        with 0 (one core idle), 1.11-1.12x with a quarter of the largest tensor,
-        1.08-1.10x with the whole largest tensor; the mixed-precision CNN's 60 % plan
-        (predicted 66.9 MiB) measured 72.4, 75.2 and 77.0-79.2 MiB. Not the default:
-        with a quarter, EfficientNetB0 at 60 % was no longer bitwise equal to Keras'
-        step (734 variables, up to 1.9e-3 after 3 steps, on two different plans;
-        bitwise with 0), through an ordering edge Grappler sees (not found).
+        one, and only as far back as the schedule's memory leaves room for them
+        and it under the schedule's own simulated peak (so running ahead never
+        raises the peak the plan predicts). ``None`` (default): the largest op's
+        output bytes; 0: every big allocation serially. Measured (2 cores, 60 %
+        budgets): the Transformer test model 1.32x Keras' step time with 0 (one
+        core idle), 1.23x with the default; the CNN 1.28x and 1.25x.
+        A big op never waits for an op with a single data consumer (it waits for a
+        later one): Grappler fuses such an op into its consumer only when it has no
+        control fanout (``x * sigmoid(x)`` into oneDNN's Swish). Waiting for the
+        ``Sigmoid`` of EfficientNetB0's top activation blocked that fusion and broke
+        bitwise equality (734 variables, up to 1.9e-3 after 3 steps; found by
+        bisecting the ordering edges); with the rule it is bitwise again.
 
     Raises
     ------
@@ -238,6 +255,9 @@ def rewrite_graph_def(
     data_in, data_consumers = _data_edges(graph_def)
     schedule = _with_fused_producers(schedule, graph_def, graph, (data_in, data_consumers))
     schedule = _with_fresh_aliases(schedule, graph, data_in)
+    if run_ahead is None:
+        run_ahead = max((graph.nodes[v]["bytes"] for v in graph.nodes), default=0)
+    room = _room_under_peak(graph, schedule) + run_ahead if strict and run_ahead > 0 else None
     new = type(graph_def)()
     new.CopyFrom(graph_def)
     nodes = {n.name: n for n in new.node}
@@ -326,6 +346,9 @@ def rewrite_graph_def(
                 triggers.append(u)
         return triggers
 
+    def single_consumer(u: str) -> bool:
+        return len(data_consumers.get(_copy_base(u) or u, ())) == 1
+
     def fused_later(u: str) -> bool:
         """Whether ``u`` may be fused with a sibling the schedule has not run yet.
 
@@ -350,10 +373,11 @@ def rewrite_graph_def(
     chain_triggers: list[str] = []
     prev_chain_end = 0
     # The serial chain of big allocations: each entry is [big op, its bytes, the small
-    # ops scheduled after it that read a big tensor]. A big op waits for the latest
-    # entry such that the big ops after it (which may still be running) hold at most
-    # ``run_ahead`` bytes, and for every small op recorded up to there.
-    lanes: list = [[None, 0, []]]
+    # ops scheduled after it that read a big tensor, its position]. A big op waits for
+    # the latest entry such that the big ops after it (which may still be running)
+    # hold at most ``run_ahead`` bytes and fit, with it, under the peak at every
+    # position it may now run ahead of; and for every small op recorded up to there.
+    lanes: list = [[None, 0, [], -1]]
     waited_upto = 0  # lanes[:waited_upto] had their small ops waited for
     carry: list[str] = []
     # Strict ordering chains only ops whose output matters for the peak: chaining
@@ -419,10 +443,18 @@ def rewrite_graph_def(
                 # unless run_ahead allows more) and for every small op up to there
                 # that reads a big tensor (and so frees it).
                 waits = list(carry)
-                i, ahead = len(lanes) - 1, 0
+                own = graph.nodes[v]["bytes"]
+                i, ahead, free = len(lanes) - 1, 0, None
                 while i > 0 and ahead + lanes[i][1] <= run_ahead:
+                    # Past lane i, this op may run as early as right after lane i - 1.
+                    span = int(room[lanes[i - 1][3] + 1:lanes[i][3] + 1].min())
+                    free = span if free is None else min(free, span)
+                    if ahead + lanes[i][1] + own > free:
+                        break
                     ahead += lanes[i][1]
                     i -= 1
+                while i < len(lanes) - 1 and i > 0 and single_consumer(lanes[i][0]):
+                    i += 1  # a fusion's interior op: a control fanout blocks the fusion
                 if lanes[i][0]:
                     waits.append(lanes[i][0])
                 for e in lanes[waited_upto:i + 1]:
@@ -440,7 +472,7 @@ def rewrite_graph_def(
                         if u not in data_srcs and not fused_later(u):
                             node.input.append("^" + u)
                     carry = []
-                lanes.append([node.name, graph.nodes[v]["bytes"], []])
+                lanes.append([node.name, graph.nodes[v]["bytes"], [], j])
             elif any(
                 graph.nodes[producer_of].get("bytes", 0) >= min_bytes
                 for producer_of in (_split(i)[0] for i in src.input if not i.startswith("^"))
