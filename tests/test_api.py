@@ -109,6 +109,25 @@ def test_plan_fields_and_explain():
     assert "recompute" in text and "GiB" in text
 
 
+def test_a_plan_that_recomputes_nothing_runs_the_step_unchanged(monkeypatch):
+    """No recomputation: no ordering edges either (they only serialized the step)."""
+    import tfremat.rewrite
+
+    def boom(*a, **k):
+        raise AssertionError("rewrote a step that recomputes nothing")
+
+    monkeypatch.setattr(tfremat.rewrite, "rewrite_graph_def", boom)
+    x, y = make_data("mlp", batch=256, width=64)
+    _, ref_step = make_step("mlp", "sgd", layers=4, width=64)
+    _, step = make_step("mlp", "sgd", layers=4, width=64)
+    fn = tfremat.remat(step, budget_gib=1.0)
+    assert fn.get_plan(x, y).recomputed == ()
+    outs = [fn(x, y) for _ in range(2)]
+    refs = [ref_step(x, y) for _ in range(2)]
+    for a, b in zip(outs, refs):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_control_flow_stays_opaque_and_exact():
     tf.config.experimental.enable_op_determinism()
     import keras
