@@ -239,7 +239,7 @@ def rewrite_graph_def(
         raises the peak the plan predicts). ``None`` (default): the largest op's
         output bytes; 0: every big allocation serially. Measured (2 cores, 60 %
         budgets): the Transformer test model 1.32x Keras' step time with 0 (one
-        core idle), 1.23x with the default; the CNN 1.28x and 1.25x.
+        core idle), 1.26-1.31x with the default; the CNN 1.28x and 1.30x (one run each).
         A big op never waits for an op with a single data consumer (it waits for a
         later one): Grappler fuses such an op into its consumer only when it has no
         control fanout (``x * sigmoid(x)`` into oneDNN's Swish). Waiting for the
