@@ -437,7 +437,6 @@ def test_a_big_op_never_waits_for_a_single_consumer_op():
     size = g.nodes[cos]["bytes"]
     for run_ahead in (0, size, 2 * size, 3 * size):
         gd, _ = rewrite_graph_def(traced.graph_def, order, g, traced.dtypes, strict=True, run_ahead=run_ahead)
-        nodes = {n.name: n for n in gd.node}
         assert not [n.name for n in gd.node if "^" + sig in n.input], run_ahead
 
 
