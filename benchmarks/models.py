@@ -310,7 +310,7 @@ def main():
                     help="part 1's CPU allocator: TF's default (its statistics leave out allocations "
                          "under 256 KiB) or BFC with no practical limit (counts every allocation)")
     ap.add_argument("--onednn", choices=["on", "off"], default="on",
-                    help="part 1 with oneDNN's kernels (TF's default on x86) or Eigen's (off; only with "
+                    help="part 1 with oneDNN's kernels (set for every CPU; TF's own default only with AVX-512 VNNI/BF16 or AMX) or Eigen's (off; only with "
                          "--allocator bfc: the default allocator reports nothing without oneDNN)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--probe", nargs=4, help=argparse.SUPPRESS)
@@ -354,7 +354,7 @@ def main():
     ]
     def run_worker(*args, kind="--table-worker"):
         env = (_bfc_env(16384, onednn=a.onednn == "on") if a.allocator == "bfc"
-               else dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+               else dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", TF_ENABLE_ONEDNN_OPTS=str(int(a.onednn == "on"))))
         r = subprocess.run([sys.executable, __file__, kind, *map(str, args)], env=env, capture_output=True, text=True)
         rows = [l for l in r.stdout.splitlines() if l.startswith("{")]
         if not rows:

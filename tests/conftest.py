@@ -1,5 +1,12 @@
 import os
 
+# The memory tests read the CPU allocator's peak (get_memory_info('CPU:0')), which
+# TensorFlow's default CPU allocator reports only with oneDNN on; TF turns oneDNN on by
+# itself only on CPUs with AVX-512 VNNI/BF16 or AMX, so on an AVX2-only AMD EPYC every
+# measured test failed with "Cannot reset memory stats". Set before TensorFlow is
+# imported; subprocesses inherit it. Tests that need it off say so in their own env.
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
+
 from hypothesis import HealthCheck, settings
 
 # `ci`: sized for CI's 2 cores; `dev`: more examples for local runs.

@@ -109,3 +109,48 @@ def test_kernel_scratch_the_model_misses_is_measured_and_planned_for():
     assert max(without["peaks"][1:]) > without["budget"], "the scratch space no longer matters here"
     r = _scratch_case(calibrations=2)
     assert max(r["peaks"][1:]) <= r["budget"], f"measured {r['peaks']} over budget {r['budget']:.0f}"
+
+
+UNMEASURED_CASE = r"""
+import json, sys, warnings
+sys.path.insert(0, {here!r})
+import tensorflow as tf
+import tfremat
+from tf_models import make_data, make_step
+
+try:
+    tf.config.experimental.get_memory_info("CPU:0")
+    print(json.dumps(dict(stats=True)))
+    raise SystemExit(0)
+except ValueError:
+    pass
+x, y = make_data("mlp", batch=1024, width=256)
+_, ref = make_step("mlp", "sgd", layers=16, width=256)
+_, step = make_step("mlp", "sgd", layers=16, width=256)
+baseline = tfremat.remat(step, budget_gib=1.0).get_plan(x, y).baseline_peak_bytes
+fn = tfremat.remat(step, budget_gib=0.75 * baseline / 2**30)
+assert fn.get_plan(x, y).recomputed
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    losses = [float(fn(x, y)) for _ in range(2)]
+expected = [float(ref(x, y)) for _ in range(2)]
+print(json.dumps(dict(stats=False, losses=losses, expected=expected,
+                      warnings=[str(w.message) for w in caught])))
+"""
+
+
+def test_a_step_runs_and_warns_where_the_allocator_reports_no_statistics():
+    """With oneDNN off and the default CPU allocator, TensorFlow reports no memory
+    statistics: the rewritten step still runs and computes the same losses, and says
+    once that its calls are not measured and how to have them measured."""
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", TF_ENABLE_ONEDNN_OPTS="0")
+    env.pop("TF_CPU_ALLOCATOR_USE_BFC", None)
+    out = subprocess.run([sys.executable, "-c", UNMEASURED_CASE.format(here=str(HERE))],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    if r["stats"]:
+        pytest.skip("this TensorFlow reports CPU allocator statistics with oneDNN off")
+    assert r["losses"] == r["expected"]
+    mine = [w for w in r["warnings"] if "no allocator statistics" in w]
+    assert len(mine) == 1 and "TF_ENABLE_ONEDNN_OPTS=1" in mine[0], r["warnings"]

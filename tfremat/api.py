@@ -95,6 +95,7 @@ class RematFunction:
         self._lock = threading.Lock()
         self._tf_fn = None
         self._unconverted_call = None
+        self._warned_unmeasured = False
         functools.update_wrapper(self, fn)
 
     # -- public --------------------------------------------------------------
@@ -243,6 +244,17 @@ class RematFunction:
                 )
                 out = entry.fn(*flat)
         entry.checked = True
+        if not _allocator_memory_info(device) and not self._warned_unmeasured:
+            self._warned_unmeasured = True
+            _warn_user(
+                f"tfremat: TensorFlow reports no allocator statistics for {device}, so calls "
+                "are not measured: memory the plan's model misses (kernel scratch space, the "
+                "allocator's chunks) is not corrected for, and growth of memory held outside "
+                "the step is not seen. On CPU the default allocator reports them only with "
+                "oneDNN on, which TensorFlow enables by itself only on CPUs with AVX-512 "
+                "VNNI/BF16 or AMX: start Python with TF_ENABLE_ONEDNN_OPTS=1 (or "
+                "TF_CPU_ALLOCATOR_USE_BFC=true) to have them"
+            )
         self._check_after_call(entry, flat, out, _peak_set_since(peak_before, device))
         return out
 
