@@ -428,3 +428,36 @@ def test_dropping_recomputations_removes_what_the_budget_does_not_need():
     assert drop_recomputations(Problem(g, 20, 0), sched) == sched
     assert drop_recomputations(Problem(g, 30, 0), sched) == list("abcde")
     assert drop_recomputations(Problem(g, 20, 0), list("abcdaeb")) == sched
+
+
+@given(g=dags(), frac=st.floats(0.3, 0.9))
+def test_restarts_bisect_their_working_budget_around_the_cap_that_fit(g, frac):
+    """With the cap at which the winning rule fit, every restart's working budget
+    stays within twice that distance above the budget (plus 1/16 of it); without it
+    the bisection starts halfway to every value's bytes, far from where plans fit
+    on big traces (docs/solvers.md)."""
+    import time
+
+    from tfremat.solvers.evict import restart_search
+
+    ref = reference_simulation(g)
+    problem = Problem(g, max(1, int(frac * ref.peak_bytes)), 0)
+    best = (ref.cost * 10, list(g.graph["order"]))  # an incumbent that prunes nothing
+    caps = []
+
+    class Spy(EvictionPlanner):
+        def run(self, cap, *a, **kw):
+            caps.append(cap)
+            return super().run(cap, *a, **kw)
+
+    pl = Spy(g, g.graph["order"])
+    lo = problem.budget_bytes
+    fit = lo + (int(pl.size.sum()) - lo) // 8
+    restart_search(problem, pl, ("cost_bytes",), best, time.perf_counter() + 5, cap=fit)
+    assert caps and min(caps) == lo
+    assert max(caps) <= lo + 2 * max(0, fit - lo) + lo // 16
+    caps.clear()
+    restart_search(problem, pl, ("cost_bytes",), best, time.perf_counter() + 5)
+    full = int(pl.size.sum()) + 1
+    if full - lo > max(1, lo // 2000):
+        assert (lo + full) // 2 in caps  # the wide bisection's first step

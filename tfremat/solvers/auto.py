@@ -320,20 +320,21 @@ def _portfolio(problem: Problem) -> Plan:
         low_variants = CONE_VARIANTS + (
             VARIANTS[:2] + KEEP_SOURCE_VARIANTS if n <= POLISH_MAX_NODES else KEEP_SOURCE_VARIANTS[:1]
         )
-        best, low, win = variants_pass(alt, low_variants, low_planner, evict_deadline, best)
+        best, low, win, cap = variants_pass(alt, low_variants, low_planner, evict_deadline, best)
         lowest = lowest if low is None else min(lowest, low)
         planner_win, prob_win = low_planner, alt
-        best, low, win2 = variants_pass(
+        best, low, win2, cap2 = variants_pass(
             problem, VARIANTS + KEEP_SOURCE_VARIANTS, planner,
             evict_deadline if polish else min(evict_deadline, time.perf_counter() + 1.5), best,
         )
         if win2 is not None:
-            win, planner_win, prob_win = win2, planner, problem
+            win, cap, planner_win, prob_win = win2, cap2, planner, problem
         if best is not None and win is not None:
             # Belady-cone is a feasibility fallback; when it won, the cost-aware cone
             # rules often fit under perturbed keys (n1000 at 0.8: 3.9x -> see docs).
             others = CONE_VARIANTS[:2] if win[0] == "belady" and planner_win is low_planner else ()
-            best = restart_search(prob_win, planner_win, win, best, evict_deadline, others=others)
+            best = restart_search(prob_win, planner_win, win, best, evict_deadline,
+                                  others=others, cap=cap)
     else:
         # Random restarts get what time is left, but at most a few seconds past the
         # deterministic variants: their gains flatten quickly (docs/solvers.md).

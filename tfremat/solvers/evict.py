@@ -479,18 +479,24 @@ def low_peak_order(problem: Problem, deadline: float, seed: int = 0):
 
 def _search(problem: Problem, planner: EvictionPlanner, score: str, deadline: float,
             best=None, steps: int = 10, neighbourhood: bool = False, noise=None,
-            keep_sources: bool = False, cone: bool = False):
+            keep_sources: bool = False, cone: bool = False, hi: int | None = None):
     """Improve ``best`` = (cost, schedule) over working budgets from the budget upwards.
 
-    Returns the new best (or None) and the lowest simulated peak seen (or None).
+    The working budget (cap) is bisected in ``steps`` steps between the budget less
+    the fixed bytes and ``hi`` (default: every value's bytes, where nothing is ever
+    evicted).
+
+    Returns the new best (or None), the lowest simulated peak seen (or None) and the
+    largest cap whose schedule fit the budget (or None).
     """
     g, fixed, budget = problem.graph, problem.fixed_bytes, problem.budget_bytes
     lo = budget - fixed  # a working cap this low never overshoots in simulation
-    hi = int(planner.size.sum()) + 1
-    lowest = None
+    full = int(planner.size.sum()) + 1
+    hi = full if hi is None else max(lo + 1, min(hi, full))
+    lowest = fit = None
 
     def attempt(cap):
-        nonlocal best, lowest
+        nonlocal best, lowest, fit
         pos = planner.run(cap, score, max_cost=best[0] if best else np.inf,
                           neighbourhood=neighbourhood, noise=noise,
                           keep_sources=keep_sources, cone=cone)
@@ -499,8 +505,10 @@ def _search(problem: Problem, planner: EvictionPlanner, score: str, deadline: fl
         sched = planner.nodes(pos)
         sim = simulate(g, sched, fixed)
         lowest = sim.peak_bytes if lowest is None else min(lowest, sim.peak_bytes)
-        if sim.peak_bytes <= budget and (best is None or sim.cost < best[0]):
-            best = (sim.cost, sched)
+        if sim.peak_bytes <= budget:
+            fit = cap if fit is None else max(fit, cap)
+            if best is None or sim.cost < best[0]:
+                best = (sim.cost, sched)
         return sim.peak_bytes
 
     attempt(lo)
@@ -516,7 +524,7 @@ def _search(problem: Problem, planner: EvictionPlanner, score: str, deadline: fl
             good = mid
         else:
             bad = mid
-    return best, lowest
+    return best, lowest, fit
 
 
 def _full(variant) -> tuple:
@@ -530,34 +538,48 @@ def variants_pass(problem: Problem, variants, planner: EvictionPlanner, deadline
 
     Returns
     -------
-    (best, lowest, winner)
+    (best, lowest, winner, cap)
         The new best (cost, schedule) or None, the lowest simulated peak seen (or
-        None), and the variant (4-tuple) that last improved the best (None if none).
+        None), the variant (4-tuple) that last improved the best (None if none) and
+        the largest working budget at which that variant fit (None if none).
     """
-    lowest = winner = None
+    lowest = winner = cap = None
     for variant in variants:
         sc, nb, ks, cn = _full(variant)
         before = best[0] if best else None
-        best, low = _search(problem, planner, sc, deadline, best, neighbourhood=nb,
-                            keep_sources=ks, cone=cn)
+        best, low, fit = _search(problem, planner, sc, deadline, best, neighbourhood=nb,
+                                 keep_sources=ks, cone=cn)
         if best is not None and (before is None or best[0] < before):
-            winner = (sc, nb, ks, cn)
+            winner, cap = (sc, nb, ks, cn), fit
         if low is not None:
             lowest = low if lowest is None else min(lowest, low)
         if time.perf_counter() > deadline:
             break
-    return best, lowest, winner
+    return best, lowest, winner, cap
 
 
 def restart_search(problem: Problem, planner: EvictionPlanner, variant, best, deadline: float,
-                   seed: int = 0, others=(), sigmas=RESTART_SIGMAS):
+                   seed: int = 0, others=(), sigmas=RESTART_SIGMAS, cap: int | None = None):
     """Improve ``best`` by restarts with ``variant``'s keys randomly perturbed.
 
     Log-normal noise per value escapes the greedy rule's ties and myopia. Stops at
     the deadline or after a run of restarts without a gain. With ``others`` the
     restarts cycle through ``variant`` and those variants; the k-th restart's noise
     has standard deviation ``sigmas[k % len(sigmas)]`` (in log space).
+
+    Each restart bisects its working budget in a few steps: from the budget (less
+    the fixed bytes) to every value's bytes, or, with ``cap`` (the largest working
+    budget at which ``variant`` fit unperturbed), to about twice as far above the
+    budget as ``cap``. From every value's bytes the steps near the budget were
+    17-21 MiB apart on the mixed-precision CNN's trace (1.16 GiB of values, a
+    73.5 MiB budget): every restart ran at the budget itself, where the variant had
+    fit 8.5 MiB higher, and none gained. Around ``cap`` it went from +25.0 % to
+    +19.9 % compute at 55 % of the reference peak, and the test CNN's trace from
+    +22.8 % to +18.3 % at 50 % (the Checkmate graphs: the same, ResNet50 at 0.6
+    +0.98 % to +0.96 %; the random layered graphs: within their run-to-run noise).
     """
+    lo = problem.budget_bytes - problem.fixed_bytes
+    hi = None if cap is None else lo + 2 * max(0, cap - lo) + lo // 16
     rng = np.random.default_rng(seed)
     cycle = [_full(variant)] + [_full(v) for v in others if _full(v) != _full(variant)]
     stale = 0
@@ -570,8 +592,8 @@ def restart_search(problem: Problem, planner: EvictionPlanner, variant, best, de
         sc, nb, ks, cn = cycle[k % len(cycle)]
         noise = np.exp(sigma * rng.standard_normal(planner.n))
         before = best[0]
-        best, _ = _search(problem, planner, sc, deadline, best, neighbourhood=nb,
-                          noise=noise, steps=6, keep_sources=ks, cone=cn)
+        best, _, _ = _search(problem, planner, sc, deadline, best, neighbourhood=nb,
+                             noise=noise, steps=6, keep_sources=ks, cone=cn, hi=hi)
         stale = 0 if best[0] < before else stale + 1
     return best
 
@@ -590,10 +612,10 @@ def evict_plan(problem: Problem, variants=VARIANTS, deadline: float | None = Non
     if deadline is None:
         deadline = time.perf_counter() + (problem.time_limit_s or 10.0)
     planner = planner or EvictionPlanner(problem.graph, problem.order)
-    best, lowest, winner = variants_pass(problem, variants, planner, deadline, best)
+    best, lowest, winner, cap = variants_pass(problem, variants, planner, deadline, best)
     if restarts and best is not None and time.perf_counter() < deadline:
         best = restart_search(problem, planner, winner or variants[0], best, deadline, seed,
-                              sigmas=sigmas)
+                              sigmas=sigmas, cap=cap)
     return best, lowest
 
 
