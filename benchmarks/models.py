@@ -310,8 +310,9 @@ def main():
                     help="part 1's CPU allocator: TF's default (its statistics leave out allocations "
                          "under 256 KiB) or BFC with no practical limit (counts every allocation)")
     ap.add_argument("--onednn", choices=["on", "off"], default="on",
-                    help="part 1 with oneDNN's kernels (set for every CPU; TF's own default only with AVX-512 VNNI/BF16 or AMX) or Eigen's (off; only with "
-                         "--allocator bfc: the default allocator reports nothing without oneDNN)")
+                    help="part 1 with oneDNN's kernels (set for every CPU; TF's own default only "
+                         "with AVX-512 VNNI/BF16 or AMX) or Eigen's (off; only with --allocator bfc: "
+                         "the default allocator reports nothing without oneDNN)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--probe", nargs=4, help=argparse.SUPPRESS)
     ap.add_argument("--table-worker", nargs=3, help=argparse.SUPPRESS)

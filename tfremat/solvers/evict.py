@@ -575,8 +575,9 @@ def restart_search(problem: Problem, planner: EvictionPlanner, variant, best, de
     73.5 MiB budget): every restart ran at the budget itself, where the variant had
     fit 8.5 MiB higher, and none gained. Around ``cap`` it went from +25.0 % to
     +19.9 % compute at 55 % of the reference peak, and the test CNN's trace from
-    +22.8 % to +18.3 % at 50 % (the Checkmate graphs: the same, ResNet50 at 0.6
-    +0.98 % to +0.96 %; the random layered graphs: within their run-to-run noise).
+    +22.8 % to +18.3-20.0 % at 50 % (the Checkmate graphs and the random layered
+    graphs: the same within their run-to-run noise; ResNet50 at 0.6 measured
+    +0.96 % and +0.98 % with either bracket).
     """
     lo = problem.budget_bytes - problem.fixed_bytes
     hi = None if cap is None else lo + 2 * max(0, cap - lo) + lo // 16
