@@ -114,3 +114,53 @@ def test_reference_simulation_uses_order_attribute():
     sim = reference_simulation(g)
     assert sim.memory.tolist() == [7, 5]
     assert isinstance(sim.memory, np.ndarray)
+
+
+# -- kernel scratch space as input nodes (tfremat.graph.with_scratch) -----------------
+from hypothesis import strategies as hst  # noqa: E402
+
+from strategies import training_graphs  # noqa: E402
+from tfremat.graph import scratch_node, with_scratch  # noqa: E402
+from tfremat.plan import Problem  # noqa: E402
+from tfremat.solvers import solve  # noqa: E402
+
+
+def test_scratch_is_live_only_while_its_op_runs():
+    g = with_scratch(chain([10, 20, 30]), {1: 100})
+    assert g.graph["order"] == [0, scratch_node(1), 1, 2]
+    sim = simulate(g, g.graph["order"])
+    # pos 1: 0 + scratch; pos 2: 0 + scratch + 1's output; pos 3: 1 + 2 (scratch freed)
+    assert sim.memory.tolist() == [10, 110, 130, 50]
+    assert sim.peak_bytes == 130 and sim.cost == 3
+
+
+def test_no_scratch_leaves_the_graph_itself():
+    g = chain([1, 2])
+    assert with_scratch(g, {}) is g and with_scratch(g, {0: 0, "absent": 5}) is g
+
+
+@given(training_graphs(), hst.data())
+def test_scratch_adds_to_the_peak_exactly_at_its_op(g, data):
+    order = g.graph["order"]
+    scratch = {v: data.draw(hst.integers(0, 50)) for v in order if data.draw(hst.booleans())}
+    h = with_scratch(g, scratch)
+    plain = simulate(g, order)
+    with_ = simulate(h, h.graph["order"])
+    # memory at each op of the plain order, plus that op's scratch while it runs
+    at_op = [m for v, m in zip(h.graph["order"], with_.memory) if v in g]
+    assert at_op == [m + scratch.get(v, 0) for v, m in zip(order, plain.memory)]
+    assert with_.peak_bytes == max(m + scratch.get(v, 0) for v, m in zip(order, plain.memory))
+    assert with_.cost == plain.cost
+
+
+@given(training_graphs(tf_like=True), hst.data())
+def test_a_plan_with_scratch_nodes_dropped_is_a_valid_plan_of_the_graph(g, data):
+    order = g.graph["order"]
+    scratch = {v: data.draw(hst.integers(1, 50)) for v in order if data.draw(hst.booleans())}
+    h = with_scratch(g, scratch)
+    budget = reference_simulation(h).peak_bytes
+    plan = solve(Problem(h, budget), "auto")
+    stripped = [v for v in plan.schedule if v in g]
+    sim = simulate(g, stripped)  # raises if invalid
+    # the scratch only adds memory: the plan without it peaks no higher
+    assert sim.peak_bytes <= plan.predicted_peak_bytes <= budget

@@ -96,6 +96,8 @@ class RematFunction:
         self._tf_fn = None
         self._unconverted_call = None
         self._warned_unmeasured = False
+        # Measure kernel scratch space per op signature while planning (tfremat.scratch).
+        self.measure_scratch = True
         functools.update_wrapper(self, fn)
 
     # -- public --------------------------------------------------------------
@@ -370,6 +372,10 @@ class RematFunction:
 
         traced = trace(self._tf_function(), args, kwargs)
         sg = build_graph(traced.records, traced.arg_placeholders)
+        if self.measure_scratch:
+            from .scratch import measure_scratch
+
+            sg = dataclasses.replace(sg, scratch=measure_scratch(traced, _step_device()))
         # The step's own fixed memory, counted from the graph (variables, arguments,
         # constants including the splats Grappler folds into constants), plus the
         # memory the rest of the process holds now (another model, cached tensors).
@@ -399,9 +405,15 @@ class RematFunction:
         keeping ``allowance`` bytes free on top of the margin."""
         fixed = sg.fixed_bytes + other
         margin = self._margin(self.budget_bytes, sg.graph) + allowance
-        problem = Problem(sg.graph, self.budget_bytes - margin, fixed)
+        problem = Problem(sg.planning_graph, self.budget_bytes - margin, fixed)
         try:
             plan = solve(problem, self.solver)
+            if sg.planning_graph is not sg.graph:  # back to TensorFlow's ops: no scratch nodes
+                plan = dataclasses.replace(
+                    plan,
+                    schedule=tuple(v for v in plan.schedule if v in sg.graph),
+                    kept=tuple(v for v in plan.kept if v in sg.graph),
+                )
         except InfeasibleBudgetError as e:
             # The smallest budget whose target (budget - margin) the solver reaches.
             # need - margin(need) - allowance = min, margin(b) = headroom * b + largest (or 0)

@@ -23,8 +23,9 @@ correctness: recomputing a stateless op yields the same value wherever it sits.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import networkx as nx
 
@@ -178,6 +179,49 @@ class StepGraph:
     argument_bytes: int
     constant_bytes: int
     variable_sizes: tuple[int, ...] = ()  # bytes of each variable the step reads or writes
+    # op name -> kernel scratch bytes (measured, ``tfremat.scratch``): live while the op runs
+    scratch: Mapping[str, int] = dataclasses.field(default_factory=dict)
+
+    @functools.cached_property
+    def planning_graph(self) -> nx.DiGraph:
+        """``graph`` with each op's kernel scratch as an input node (:func:`with_scratch`)."""
+        return with_scratch(self.graph, self.scratch)
+
+
+def scratch_node(op: str) -> str:
+    return f"{op}/_tfremat_scratch"
+
+
+def with_scratch(graph: nx.DiGraph, scratch: Mapping[str, int]) -> nx.DiGraph:
+    """A copy of ``graph`` where each op with scratch space has it as an extra input.
+
+    The scratch of op ``v`` becomes a node :func:`scratch_node` (``v``) of that many
+    bytes, no cost and no inputs, read by ``v`` only and placed just before it in the
+    order: in the simulator's accounting its bytes are live exactly while ``v`` runs,
+    which is when the kernel holds them. Every solver plans with it as with any other
+    node (a recomputed ``v`` recomputes it, for free); a schedule is turned back into
+    one of ``graph`` by dropping these nodes (they are not TensorFlow ops). Returns
+    ``graph`` itself when there is no scratch.
+    """
+    scratch = {v: int(b) for v, b in scratch.items() if b > 0 and v in graph}
+    if not scratch:
+        return graph
+    g = graph.copy()
+    order = []
+    for v in graph.graph.get("order") or list(nx.topological_sort(graph)):
+        if v in scratch:
+            a = graph.nodes[v]
+            s = scratch_node(v)
+            g.add_node(
+                s, op_type="_Scratch", bytes=scratch[v], largest_tensor=scratch[v], cost=0.0,
+                recomputable=a.get("recomputable", True), stateful=False,
+                phase=a.get("phase", "forward"), alias=False, inplace=False, scratch_of=v,
+            )
+            g.add_edge(s, v, kind="scratch")
+            order.append(s)
+        order.append(v)
+    g.graph["order"] = order
+    return g
 
 
 def build_graph(records: Sequence[OpRecord], argument_ops: Iterable[str] = ()) -> StepGraph:

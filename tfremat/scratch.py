@@ -1,0 +1,185 @@
+"""Kernel scratch space, measured: bytes an op allocates while it runs and frees before it ends.
+
+TensorFlow side, between trace and graph: the planning graph counts outputs, but some
+kernels also take large temporaries from the same allocator for the length of one
+call. Measured (TF 2.21, CPU, ``mixed_float16`` CNN on an AVX2 machine, where oneDNN
+has no fp16 kernels and the Eigen ones run): every ``Conv2DBackpropFilter`` allocated a
+26.4 MiB im2col buffer (``[47, 1024, 288]`` half), whatever the batch; a plan whose
+simulated peak was 49.1 MiB ran at 58.8-60.0 MiB when its peak fell on one of them,
+over a 61.5 MiB budget on some runs. With oneDNN's float32 kernels the same ops use
+no counted scratch. Which kernel runs depends on the build, the CPU, the dtype and
+the environment, so the bytes are measured, not modelled: each distinct signature
+(op type, attributes, input shapes and dtypes) of the op types below runs once, alone,
+in a ``tf.function`` on the step's device, and its scratch is the allocator's peak
+during the call less what was live before and the op's outputs.
+
+The measurement resets the allocator's peak statistic (``reset_memory_stats``) of that
+device, once per probe, while a new input signature is planned. Without allocator
+statistics (TensorFlow's default CPU allocator with oneDNN off) nothing is measured
+and no scratch is modelled.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Mapping, Sequence
+
+from .graph import OpRecord, producer
+
+# Op types whose kernels are known to take scratch from the allocator on some builds:
+# the convolution family (Eigen's im2col buffers, cuDNN workspaces), fused batch norm
+# and pooling gradients.
+PROBED_OPS = frozenset({
+    "Conv2D", "Conv2DBackpropFilter", "Conv2DBackpropInput",
+    "Conv3D", "Conv3DBackpropFilterV2", "Conv3DBackpropInputV2",
+    "DepthwiseConv2dNative", "DepthwiseConv2dNativeBackpropFilter",
+    "DepthwiseConv2dNativeBackpropInput",
+    "FusedBatchNormV3", "FusedBatchNormGradV3", "MaxPoolGrad", "AvgPoolGrad",
+})
+
+# Smaller differences are noise: TensorFlow's default CPU allocator does not count
+# allocations under 256 KiB.
+_MIN_SCRATCH = 256 * 1024
+# After this many probes of one (op type, dtype) measure no scratch, the rest of that
+# kind is taken to use none either (oneDNN's float32 kernels: probing every signature
+# of a large model would cost seconds for nothing).
+_ZERO_STREAK = 2
+# Probing stops after this long; signatures not probed take the largest scratch
+# measured for their kind (an upper bound in practice: the Eigen buffers are sized
+# to a fixed working set, not to the batch).
+_TIME_LIMIT_S = 20.0
+
+
+def _sizes_value(op_type: str, index: int, record: OpRecord):
+    """The value of an int32 "sizes" input, known from the op's own output shape."""
+    sizes_input = {
+        "Conv2DBackpropFilter": 1, "Conv2DBackpropInput": 0,
+        "Conv3DBackpropFilterV2": 1, "Conv3DBackpropInputV2": 0,
+        "DepthwiseConv2dNativeBackpropFilter": 1, "DepthwiseConv2dNativeBackpropInput": 0,
+        "AvgPoolGrad": 0,
+    }
+    if sizes_input.get(op_type) == index and record.outputs:
+        return list(record.outputs[0].shape)
+    return None
+
+
+def measure_scratch(traced, device: str, time_limit_s: float = _TIME_LIMIT_S) -> dict[str, int]:
+    """Scratch bytes per op name of ``traced`` (a :class:`tfremat.trace.TracedStep`).
+
+    Ops without measurable scratch are absent. Returns ``{}`` when the device's
+    allocator reports no statistics.
+    """
+    from ._tf import import_tf
+
+    tf = import_tf()
+    try:
+        tf.config.experimental.reset_memory_stats(device)
+        tf.config.experimental.get_memory_info(device)
+    except (ValueError, RuntimeError, tf.errors.OpError):
+        return {}
+    nodes = {n.name: n for n in traced.graph_def.node}
+    by_name = {r.name: r for r in traced.records}
+    groups: dict[tuple, list[str]] = {}
+    specs: dict[tuple, list] = {}
+    for r in traced.records:
+        if r.op_type not in PROBED_OPS or r.name not in nodes or not r.outputs:
+            continue
+        spec = _input_specs(r, by_name, nodes)
+        if spec is None:
+            continue
+        node = nodes[r.name]
+        attrs = tuple(sorted(
+            (k, v.SerializeToString(deterministic=True)) for k, v in node.attr.items() if not k.startswith("_")
+        ))
+        key = (r.op_type, attrs, tuple((s, d, None if c is None else tuple(c)) for s, d, c in spec))
+        groups.setdefault(key, []).append(r.name)
+        specs[key] = spec
+    out: dict[str, int] = {}
+    zero_streak: dict[tuple, int] = {}
+    largest: dict[tuple, int] = {}
+    start = time.perf_counter()
+    for key, names in groups.items():
+        r = by_name[names[0]]
+        kind = (r.op_type, r.outputs[0].dtype)
+        if zero_streak.get(kind, 0) >= _ZERO_STREAK:
+            continue
+        if time.perf_counter() - start > time_limit_s:
+            bytes_ = largest.get(kind, 0)
+        else:
+            try:
+                bytes_ = _probe(tf, nodes[r.name], specs[key], r, device)
+            except (tf.errors.OpError, ValueError, TypeError):
+                continue  # an op that cannot run alone keeps no scratch estimate
+            largest[kind] = max(largest.get(kind, 0), bytes_)
+            zero_streak[kind] = zero_streak.get(kind, 0) + 1 if bytes_ == 0 else -10**9
+        if bytes_ > 0:
+            for n in names:
+                out[n] = bytes_
+    return out
+
+
+def _input_specs(r: OpRecord, by_name: Mapping[str, OpRecord], nodes) -> list | None:
+    """(shape, dtype name, constant value or None) per input; None if unknown."""
+    spec = []
+    for i, t in enumerate(r.inputs):
+        src = by_name.get(producer(t))
+        idx = int(t.rsplit(":", 1)[1]) if ":" in t else 0
+        if src is None or idx >= len(src.outputs):
+            return None
+        info = src.outputs[idx]
+        if info.dtype in ("resource", "variant", "string"):
+            return None
+        value = None
+        if info.dtype in ("int32", "int64"):
+            value = _sizes_value(r.op_type, i, r)
+            if value is None:
+                return None
+        spec.append((tuple(info.shape), info.dtype, value))
+    return spec
+
+
+def _probe(tf, node_def, spec: Sequence, record: OpRecord, device: str) -> int:
+    """Run the op alone on zeros of its input shapes; its scratch bytes (0 if none)."""
+    gd = tf.compat.v1.GraphDef()
+    fed = []
+    for i, (shape, dtype, value) in enumerate(spec):
+        n = gd.node.add()
+        n.name = f"in{i}"
+        n.attr["dtype"].type = tf.as_dtype(dtype).as_datatype_enum
+        if value is not None:
+            n.op = "Const"
+            n.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(value, dtype=tf.as_dtype(dtype)))
+        else:
+            n.op = "Placeholder"
+            n.attr["shape"].shape.CopyFrom(tf.TensorShape(shape).as_proto())
+            fed.append((n.name, shape, dtype))
+    op = gd.node.add()
+    op.CopyFrom(node_def)
+    op.name = "probe"
+    del op.input[:]
+    op.input.extend(f"in{i}" for i in range(len(spec)))
+    op.device = ""
+    for k in [k for k in op.attr if k.startswith("_")]:
+        del op.attr[k]
+    n_out = len(record.outputs)
+
+    @tf.function(input_signature=[tf.TensorSpec(s, tf.as_dtype(d)) for _, s, d in fed])
+    def run(*args):
+        return tf.graph_util.import_graph_def(
+            gd,
+            input_map={f"{name}:0": a for (name, _, _), a in zip(fed, args)},
+            return_elements=[f"probe:{k}" for k in range(n_out)],
+        )
+
+    with tf.device(device):
+        args = [tf.zeros(s, tf.as_dtype(d)) for _, s, d in fed]
+        outs = run(*args)  # instantiation (Grappler, kernel creation) is not measured
+        del outs
+        tf.config.experimental.reset_memory_stats(device)
+        before = tf.config.experimental.get_memory_info(device)["current"]
+        outs = run(*args)
+        peak = tf.config.experimental.get_memory_info(device)["peak"]
+        out_bytes = sum(int(o.shape.num_elements() or 0) * o.dtype.size for o in outs)
+        del outs, args
+    scratch = peak - before - out_bytes
+    return int(scratch) if scratch >= _MIN_SCRATCH else 0
