@@ -166,6 +166,9 @@ class RematFunction:
             f"extra compute: {100 * p.extra_cost_fraction:.1f} % ({p.solver}, {p.status})",
             f"kept for backward: {len(p.kept)} tensors; recomputed: {len(p.recomputed)} ops",
         ]
+        if sg.scratch:
+            lines.insert(-1, f"kernel scratch (measured, live while its op runs): {len(sg.scratch)} ops, "
+                             f"largest {max(sg.scratch.values()) / 2**20:.1f} MiB")
         for v in p.recomputed:
             g = sg.graph
             lines.append(f"  recompute {v} ({g.nodes[v]['op_type']}, {g.nodes[v]['bytes'] / 2**20:.1f} MiB)")

@@ -15,8 +15,8 @@ during the call less what was live before and the op's outputs.
 
 The measurement resets the allocator's peak statistic (``reset_memory_stats``) of that
 device, once per probe, while a new input signature is planned. Without allocator
-statistics (TensorFlow's default CPU allocator with oneDNN off) nothing is measured
-and no scratch is modelled.
+statistics (TensorFlow's default CPU allocator with oneDNN off), or when planning runs
+inside another function's tracing, nothing is measured and no scratch is modelled.
 """
 
 from __future__ import annotations
@@ -72,6 +72,8 @@ def measure_scratch(traced, device: str, time_limit_s: float = _TIME_LIMIT_S) ->
     from ._tf import import_tf
 
     tf = import_tf()
+    if not tf.executing_eagerly():
+        return {}  # planned while an outer function traces: the probes would join its graph
     try:
         tf.config.experimental.reset_memory_stats(device)
         tf.config.experimental.get_memory_info(device)
@@ -95,23 +97,25 @@ def measure_scratch(traced, device: str, time_limit_s: float = _TIME_LIMIT_S) ->
         groups.setdefault(key, []).append(r.name)
         specs[key] = spec
     out: dict[str, int] = {}
-    zero_streak: dict[tuple, int] = {}
-    largest: dict[tuple, int] = {}
+    zeros: dict[tuple, int] = {}  # (op type, dtype) -> probes that measured no scratch
+    largest: dict[tuple, int] = {}  # (op type, dtype) -> largest scratch measured
     start = time.perf_counter()
     for key, names in groups.items():
         r = by_name[names[0]]
         kind = (r.op_type, r.outputs[0].dtype)
-        if zero_streak.get(kind, 0) >= _ZERO_STREAK:
+        if kind not in largest and zeros.get(kind, 0) >= _ZERO_STREAK:
             continue
         if time.perf_counter() - start > time_limit_s:
             bytes_ = largest.get(kind, 0)
         else:
             try:
                 bytes_ = _probe(tf, nodes[r.name], specs[key], r, device)
-            except (tf.errors.OpError, ValueError, TypeError):
+            except Exception:  # noqa: BLE001 - a measurement, never a reason to fail planning
                 continue  # an op that cannot run alone keeps no scratch estimate
-            largest[kind] = max(largest.get(kind, 0), bytes_)
-            zero_streak[kind] = zero_streak.get(kind, 0) + 1 if bytes_ == 0 else -10**9
+            if bytes_ > 0:
+                largest[kind] = max(largest.get(kind, 0), bytes_)
+            else:
+                zeros[kind] = zeros.get(kind, 0) + 1
         if bytes_ > 0:
             for n in names:
                 out[n] = bytes_
