@@ -283,7 +283,8 @@ class RematFunction:
           entry), so the next calls fit.
 
         The next calls use the new plan. The measured peak is the allocator's
-        high-water mark, which tfremat never resets, so a call is measured only when
+        high-water mark, which tfremat resets only while probing kernel scratch before a new
+        signature's first call (tfremat.scratch), so a call is measured only when
         it raises the mark; after one over the budget, a later peak under that mark
         is not seen (the new plan keeps the same excess free).
         """
@@ -500,7 +501,8 @@ def _allocator_current_bytes(device: str = "CPU:0") -> int:
 
 def _allocator_peak_bytes(device: str = "CPU:0") -> int:
     """The allocator's high-water mark since start or since the last
-    ``reset_memory_stats`` (0 when it does not report it); tfremat never resets it."""
+    ``reset_memory_stats`` (0 when it does not report it); tfremat resets it only while
+    probing kernel scratch (tfremat.scratch)."""
     return _allocator_memory_info(device).get("peak", 0)
 
 
