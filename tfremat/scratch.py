@@ -86,7 +86,7 @@ def measure_scratch(traced, device: str, time_limit_s: float = _TIME_LIMIT_S) ->
     for r in traced.records:
         if r.op_type not in PROBED_OPS or r.name not in nodes or not r.outputs:
             continue
-        spec = _input_specs(r, by_name, nodes)
+        spec = _input_specs(r, by_name)
         if spec is None:
             continue
         node = nodes[r.name]
@@ -122,7 +122,7 @@ def measure_scratch(traced, device: str, time_limit_s: float = _TIME_LIMIT_S) ->
     return out
 
 
-def _input_specs(r: OpRecord, by_name: Mapping[str, OpRecord], nodes) -> list | None:
+def _input_specs(r: OpRecord, by_name: Mapping[str, OpRecord]) -> list | None:
     """(shape, dtype name, constant value or None) per input; None if unknown."""
     spec = []
     for i, t in enumerate(r.inputs):
