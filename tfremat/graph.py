@@ -73,6 +73,11 @@ def producer(tensor_name: str) -> str:
     return tensor_name.rsplit(":", 1)[0] if ":" in tensor_name else tensor_name
 
 
+def output_index(tensor_name: str) -> int:
+    """Which output of its producer ``"op:index"`` names (0 for a bare op name)."""
+    return int(tensor_name.rsplit(":", 1)[1]) if ":" in tensor_name else 0
+
+
 def is_variable_write(op_type: str) -> bool:
     return op_type.startswith(WRITE_PREFIXES)
 
@@ -257,7 +262,7 @@ def build_graph(records: Sequence[OpRecord], argument_ops: Iterable[str] = ()) -
         in_shapes = []
         for t in r.inputs:
             src = by_name.get(producer(t))
-            idx = int(t.rsplit(":", 1)[1]) if ":" in t else 0
+            idx = output_index(t)
             in_shapes.append(src.outputs[idx].shape if src and idx < len(src.outputs) else None)
         recomputable = not (
             r.stateful
@@ -303,7 +308,7 @@ def build_graph(records: Sequence[OpRecord], argument_ops: Iterable[str] = ()) -
             h = producer(r.inputs[0])
             src = by_name.get(producer(r.inputs[1]))
             if src is not None:
-                idx = int(r.inputs[1].rsplit(":", 1)[1]) if ":" in r.inputs[1] else 0
+                idx = output_index(r.inputs[1])
                 if idx < len(src.outputs):
                     variable_sizes[h] = max(variable_sizes.get(h, 0), src.outputs[idx].bytes)
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import time
 from typing import Mapping, Sequence
 
-from .graph import OpRecord, producer
+from .graph import OpRecord, output_index, producer
 
 # Op types whose kernels are known to take scratch from the allocator on some builds:
 # the convolution family (Eigen's im2col buffers, cuDNN workspaces), fused batch norm
@@ -50,17 +50,13 @@ _ZERO_STREAK = 2
 _TIME_LIMIT_S = 20.0
 
 
-def _sizes_value(op_type: str, index: int, record: OpRecord):
-    """The value of an int32 "sizes" input, known from the op's own output shape."""
-    sizes_input = {
-        "Conv2DBackpropFilter": 1, "Conv2DBackpropInput": 0,
-        "Conv3DBackpropFilterV2": 1, "Conv3DBackpropInputV2": 0,
-        "DepthwiseConv2dNativeBackpropFilter": 1, "DepthwiseConv2dNativeBackpropInput": 0,
-        "AvgPoolGrad": 0,
-    }
-    if sizes_input.get(op_type) == index and record.outputs:
-        return list(record.outputs[0].shape)
-    return None
+# Op type -> the position of its int32 "sizes" input (the shape of its own output).
+_SIZES_INPUT = {
+    "Conv2DBackpropFilter": 1, "Conv2DBackpropInput": 0,
+    "Conv3DBackpropFilterV2": 1, "Conv3DBackpropInputV2": 0,
+    "DepthwiseConv2dNativeBackpropFilter": 1, "DepthwiseConv2dNativeBackpropInput": 0,
+    "AvgPoolGrad": 0,
+}
 
 
 def measure_scratch(traced, device: str, time_limit_s: float = _TIME_LIMIT_S) -> dict[str, int]:
@@ -81,8 +77,8 @@ def measure_scratch(traced, device: str, time_limit_s: float = _TIME_LIMIT_S) ->
         return {}
     nodes = {n.name: n for n in traced.graph_def.node}
     by_name = {r.name: r for r in traced.records}
+    # signature (op type, attributes, input specs) -> names of the ops that share it
     groups: dict[tuple, list[str]] = {}
-    specs: dict[tuple, list] = {}
     for r in traced.records:
         if r.op_type not in PROBED_OPS or r.name not in nodes or not r.outputs:
             continue
@@ -93,14 +89,12 @@ def measure_scratch(traced, device: str, time_limit_s: float = _TIME_LIMIT_S) ->
         attrs = tuple(sorted(
             (k, v.SerializeToString(deterministic=True)) for k, v in node.attr.items() if not k.startswith("_")
         ))
-        key = (r.op_type, attrs, tuple((s, d, None if c is None else tuple(c)) for s, d, c in spec))
-        groups.setdefault(key, []).append(r.name)
-        specs[key] = spec
+        groups.setdefault((r.op_type, attrs, spec), []).append(r.name)
     out: dict[str, int] = {}
     zeros: dict[tuple, int] = {}  # (op type, dtype) -> probes that measured no scratch
     largest: dict[tuple, int] = {}  # (op type, dtype) -> largest scratch measured
     start = time.perf_counter()
-    for key, names in groups.items():
+    for (_, _, spec), names in groups.items():
         r = by_name[names[0]]
         kind = (r.op_type, r.outputs[0].dtype)
         if kind not in largest and zeros.get(kind, 0) >= _ZERO_STREAK:
@@ -109,7 +103,7 @@ def measure_scratch(traced, device: str, time_limit_s: float = _TIME_LIMIT_S) ->
             bytes_ = largest.get(kind, 0)
         else:
             try:
-                bytes_ = _probe(tf, nodes[r.name], specs[key], r, device)
+                bytes_ = _probe(tf, nodes[r.name], spec, r, device)
             except Exception:  # noqa: BLE001 - a measurement, never a reason to fail planning
                 continue  # an op that cannot run alone keeps no scratch estimate
             if bytes_ > 0:
@@ -122,12 +116,12 @@ def measure_scratch(traced, device: str, time_limit_s: float = _TIME_LIMIT_S) ->
     return out
 
 
-def _input_specs(r: OpRecord, by_name: Mapping[str, OpRecord]) -> list | None:
+def _input_specs(r: OpRecord, by_name: Mapping[str, OpRecord]) -> tuple | None:
     """(shape, dtype name, constant value or None) per input; None if unknown."""
     spec = []
     for i, t in enumerate(r.inputs):
         src = by_name.get(producer(t))
-        idx = int(t.rsplit(":", 1)[1]) if ":" in t else 0
+        idx = output_index(t)
         if src is None or idx >= len(src.outputs):
             return None
         info = src.outputs[idx]
@@ -135,11 +129,11 @@ def _input_specs(r: OpRecord, by_name: Mapping[str, OpRecord]) -> list | None:
             return None
         value = None
         if info.dtype in ("int32", "int64"):
-            value = _sizes_value(r.op_type, i, r)
-            if value is None:
+            if _SIZES_INPUT.get(r.op_type) != i:
                 return None
+            value = tuple(r.outputs[0].shape)
         spec.append((tuple(info.shape), info.dtype, value))
-    return spec
+    return tuple(spec)
 
 
 def _probe(tf, node_def, spec: Sequence, record: OpRecord, device: str) -> int:
