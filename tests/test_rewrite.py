@@ -352,12 +352,18 @@ def test_an_edge_from_a_merged_product_moves_to_a_safe_op_it_reads():
     assert _waits(nodes, t) == ["^" + p], _waits(nodes, t)
 
 
-def test_big_allocations_may_run_ahead_by_at_most_run_ahead_bytes():
-    """Strict ordering lets a big op run alongside the big ops scheduled just before
-    it as long as those hold at most ``run_ahead`` bytes: with 0 every big op waits
-    for the previous one (the default), with one tensor's bytes for the one before
-    that, and with an unbounded allowance for none."""
+def _split_op(tensor: str) -> str:
+    return tensor.split(":")[0]
+
+
+def test_big_allocations_float_only_where_the_limit_leaves_room():
+    """Without a limit every big op waits for the one before it (serial). With a
+    limit, an op waits for its data only where its output fits under the limit from
+    the earliest moment it may run: five siblings that the schedule holds together
+    anyway all float at the schedule's own peak; under a limit that leaves no room
+    before the peak they are serial again."""
     from tfremat.rewrite import rewrite_graph_def
+    from tfremat.simulate import simulate
 
     @tf.function
     def f(x):
@@ -371,26 +377,36 @@ def test_big_allocations_may_run_ahead_by_at_most_run_ahead_bytes():
     order = list(g.graph["order"])
     chain = [n for n in order if ops[n] in ("Exp", "Sin", "Cos", "Tanh", "Sqrt")]
     assert len(chain) == 5
+    peak = int(simulate(g, order).memory.max())
 
     def waits(**kw):
-        """For each op of the chain, the earlier ones it waits for."""
-        gd, _ = rewrite_graph_def(traced.graph_def, order, g, traced.dtypes, strict=True, **kw)
-        return [sorted(chain.index(u) for u in _ancestors(gd, v) if u in chain) for v in chain]
+        """For each op of the chain, the earlier ones it waits for; how many float."""
+        gd, info = rewrite_graph_def(traced.graph_def, order, g, traced.dtypes, strict=True, **kw)
+        return [sorted(chain.index(u) for u in _ancestors(gd, v) if u in chain) for v in chain], info.floating
 
+    serial = [list(range(k)) for k in range(5)]
+    assert waits() == (serial, 0)
+    assert waits(limit_bytes=peak) == ([[]] * 5, 5)
+    # one tensor short of the peak: the four first siblings fit where they may run,
+    # the last has no room left before its own position, so it is anchored and
+    # waits for them all
     size = g.nodes[chain[0]]["bytes"]
-    assert max(b for _, b in g.nodes(data="bytes")) == size
-    assert waits(run_ahead=0) == [list(range(k)) for k in range(5)]
-    assert waits(run_ahead=size) == [[], [], [0], [1], [0, 2]]  # two interleaved chains
-    assert waits() == waits(run_ahead=0)  # serial by default
-    assert waits(run_ahead=10**12) == [[]] * 5
+    assert waits(limit_bytes=peak - size) == ([[]] * 4 + [[0, 1, 2, 3]], 4)
+    # the scratch of a consumer left unordered (a small op) comes forward with an
+    # early run: with the last sibling's reduction holding one tensor of scratch,
+    # that sibling no longer fits early
+    (reduction,) = [n.name for n in traced.graph_def.node if n.op == "Sum" and _split_op(n.input[0]) == chain[4]]
+    assert waits(limit_bytes=peak, scratch={reduction: size}) == ([[]] * 4 + [[0, 1, 2, 3]], 4)
 
 
-def test_running_ahead_stays_within_run_ahead_bytes_of_the_peak():
-    """A big op runs ahead only where the schedule's memory leaves room for it (and
-    the ops it overtakes) within ``run_ahead`` bytes of the simulated peak: ``cos``
-    could start with ``exp``, but ``sin`` runs at the peak (x, exp and sin live), so
-    with one tensor's allowance ``cos`` waits for ``sin``."""
+def test_a_floating_op_reserves_its_room_at_every_position_it_may_run_at():
+    """``cos(x)`` may run as soon as ``x`` exists. At the schedule's peak (``exp``
+    and ``sin`` live, the argument is fixed memory) there is no room for it under a
+    limit of that peak,
+    so it stays in the serial order (waits for ``exp`` and ``sin``); one tensor more
+    and it floats; the scratch of an op it may overlap counts like any tensor."""
     from tfremat.rewrite import rewrite_graph_def
+    from tfremat.simulate import simulate
 
     @tf.function
     def f(x):
@@ -405,23 +421,26 @@ def test_running_ahead_stays_within_run_ahead_bytes_of_the_peak():
     order = list(g.graph["order"])
     exp, sin, cos = (only(ops, t) for t in ("Exp", "Sin", "Cos"))
     size = g.nodes[cos]["bytes"]
+    assert order.index(sin) < order.index(cos)
+    peak = int(simulate(g, order).memory.max())
 
-    def waits(run_ahead):
-        gd, _ = rewrite_graph_def(traced.graph_def, order, g, traced.dtypes, strict=True, run_ahead=run_ahead)
+    def waits(limit, **kw):
+        gd, _ = rewrite_graph_def(traced.graph_def, order, g, traced.dtypes, strict=True, limit_bytes=limit, **kw)
         return {u for u in _ancestors(gd, cos) if u in (exp, sin)}
 
-    assert waits(0) == {exp, sin}
-    assert waits(size) == {exp, sin}  # without the peak rule: {exp}
-    assert waits(2 * size) == {exp}
-    assert waits(10**12) == set()
+    assert waits(peak) == {exp, sin}
+    assert waits(peak + size) == set()
+    assert waits(peak + size, scratch={sin: 8}) == {exp, sin}  # sin + 8 bytes is the peak now
+    assert waits(peak + size, fixed_bytes=1) == {exp, sin}
 
 
 def test_a_big_op_never_waits_for_a_single_consumer_op():
     """Grappler fuses an op into its only consumer (``x * sigmoid(x)`` into oneDNN's
-    Swish) only when it has no control fanout: running ahead must not make a big op
-    wait for the ``Sigmoid`` (EfficientNetB0 lost bitwise equality that way); it
-    waits for the product, later, instead."""
+    Swish) only when it has no control fanout: a big op must not wait for a floating
+    ``Sigmoid`` (EfficientNetB0 lost bitwise equality that way); it waits for the
+    product, later, instead."""
     from tfremat.rewrite import rewrite_graph_def
+    from tfremat.simulate import simulate
 
     @tf.function
     def f(x):
@@ -433,11 +452,12 @@ def test_a_big_op_never_waits_for_a_single_consumer_op():
     g = build_graph(traced.records, traced.arg_placeholders).graph
     order = list(g.graph["order"])
     ops = {n.name: n.op for n in traced.graph_def.node}
-    sig, cos = only(ops, "Sigmoid"), only(ops, "Cos")
-    size = g.nodes[cos]["bytes"]
-    for run_ahead in (0, size, 2 * size, 3 * size):
-        gd, _ = rewrite_graph_def(traced.graph_def, order, g, traced.dtypes, strict=True, run_ahead=run_ahead)
-        assert not [n.name for n in gd.node if "^" + sig in n.input], run_ahead
+    sig = only(ops, "Sigmoid")
+    size = g.nodes[sig]["bytes"]
+    peak = int(simulate(g, order).memory.max())
+    for limit in (None, peak, peak + size, peak + 3 * size):
+        gd, _ = rewrite_graph_def(traced.graph_def, order, g, traced.dtypes, strict=True, limit_bytes=limit)
+        assert not [n.name for n in gd.node if "^" + sig in n.input], limit
 
 
 def test_fanout_dummies_skip_the_ordering_gate_in_front_of_a_copy():

@@ -43,6 +43,7 @@ class RewriteInfo:
     copies: int
     gates: int
     rewired_inputs: int
+    floating: int = 0  # big allocations left free of the serial order (``limit_bytes``)
 
 
 # Ops a fused_cone may rebuild: cheap, elementwise, the size of their output.
@@ -180,14 +181,18 @@ def _with_fresh_aliases(schedule: Sequence[Hashable], graph: nx.DiGraph, data_in
     return out
 
 
-def _room_under_peak(graph: nx.DiGraph, schedule: Sequence[Hashable]) -> np.ndarray:
-    """Bytes between the schedule's simulated peak and its memory at each position
-    (int64); zeros where the schedule does not simulate (no running ahead)."""
+def _room(
+    graph: nx.DiGraph, schedule: Sequence[Hashable], limit: int, fixed: int, scratch: Mapping[str, int]
+) -> np.ndarray:
+    """Bytes between ``limit`` and the schedule's simulated memory (``fixed`` bytes and
+    each op's kernel ``scratch`` included) at each position, int64, never negative;
+    zeros where the schedule does not simulate (nothing floats)."""
     try:
-        mem = simulate(graph, schedule).memory
+        mem = simulate(graph, schedule, fixed).memory
     except InvalidScheduleError:
         return np.zeros(len(schedule), np.int64)
-    return mem.max() - mem
+    mem = mem + np.array([scratch.get(v, 0) for v in schedule], np.int64)
+    return np.maximum(limit - mem, 0)
 
 
 def _split(tensor: str) -> tuple[str, str]:
@@ -203,7 +208,9 @@ def rewrite_graph_def(
     graph: nx.DiGraph,
     dtypes: Mapping[str, Sequence[int]],
     strict: bool = True,
-    run_ahead: int | None = None,
+    limit_bytes: int | None = None,
+    fixed_bytes: int = 0,
+    scratch: Mapping[str, int] | None = None,
 ):
     """Return ``(new_graph_def, RewriteInfo)`` realizing ``schedule`` on ``graph_def``.
 
@@ -220,37 +227,35 @@ def rewrite_graph_def(
     strict : bool
         Also order the original ops as the schedule does, where it matters for
         memory: every op whose output is at least 1/64 of the largest tensor (a big
-        allocation) waits, through a control edge, for an earlier big allocation
-        (the previous one, or one further back: ``run_ahead``) and for every
-        smaller op scheduled up to that one that reads a big tensor (its run frees
-        that tensor). Chaining *every* op instead put control edges
-        between ops Grappler later fuses or rewrites, which closed cycles.
-        Measured (2 cores): without it the allocator peak of an 8-layer MLP varied
-        by +-40 MiB from call to call around the prediction, and a residual CNN's
-        by one activation; with it, peaks were identical on every call and within
-        2 MiB of the prediction (docs/design.md).
-    run_ahead : int, optional
-        With ``strict``, how many bytes of big allocations may run ahead of the
-        schedule: a big op waits for the latest big op such that the big ops
-        scheduled between them hold at most this many bytes, not for the previous
-        one, and only as far back as the schedule's memory leaves room for them
-        and it within this many bytes of the schedule's own simulated peak (so
-        running ahead raises the modelled peak by at most ``run_ahead``; with no
-        allowance over the peak the Transformer gained nothing). ``None`` or 0
-        (default): every big allocation serially. Measured (2 cores, 60 % budgets)
-        with the largest op's output bytes: the Transformer test model 1.26-1.31x
-        Keras' step time (1.32x serial, one core idle), the CNN 1.30x (1.28x
-        serial); but the peak varies from call to call again: the 32-layer MLP
-        test (42.3 MiB prediction, 46.8 MiB budget) measured 46.1, 47.7 and
-        49.3 MiB on three calls in CI, and 43.3-45.0 MiB here (38.8-47.0 MiB
-        with no allowance over the peak), against 42.3-44.5 MiB serial, the same
-        on every call of a process. Serial is the default: fitting comes first.
-        A big op never waits for an op with a single data consumer (it waits for a
-        later one): Grappler fuses such an op into its consumer only when it has no
-        control fanout (``x * sigmoid(x)`` into oneDNN's Swish). Waiting for the
-        ``Sigmoid`` of EfficientNetB0's top activation blocked that fusion and broke
-        bitwise equality (734 variables, up to 1.9e-3 after 3 steps; found by
-        bisecting the ordering edges); with the rule it is bitwise again.
+        allocation) waits, through control edges, for the big allocations before it
+        and for every smaller op scheduled since that reads a big tensor (its run
+        frees that tensor), unless it may float (``limit_bytes``). Chaining *every*
+        op instead put control edges between ops Grappler later fuses or rewrites,
+        which closed cycles. Measured (2 cores): without it the allocator peak of an
+        8-layer MLP varied by +-40 MiB from call to call around the prediction, and
+        a residual CNN's by one activation; with it, peaks were identical on every
+        call and within 2 MiB of the prediction (docs/design.md).
+    limit_bytes : int, optional
+        With ``strict``: the memory (in the simulator's accounting, ``fixed_bytes``
+        and ``scratch`` included) the executor's freedom may use. A big allocation
+        *floats* (waits for its data only) when, at every schedule position from the
+        earliest it may run to its own, the schedule's memory plus the outputs of
+        the ops already floating there leaves room for its output under this limit;
+        the next *anchored* big allocation waits for it. So every order the executor
+        may choose stays within the limit in the model, and where the schedule runs
+        well below it the two cores overlap big ops again. ``None`` (or 0): nothing
+        floats, every big allocation is serial. The serial chain left one of 2 cores
+        idle: the Transformer test model with nothing recomputed ran 1.18-1.65x the
+        traced step's time serial, 1.02x with inter-op parallelism 1 on both sides.
+        A floating op that is the only data input of a later op is not waited for
+        by the next anchor once that consumer ran (its control fanout would block
+        the fusion of the two: ``x * sigmoid(x)`` into oneDNN's Swish; EfficientNetB0
+        lost bitwise equality through such a wait).
+    fixed_bytes : int
+        Bytes held throughout (``limit_bytes``'s accounting).
+    scratch : mapping, optional
+        Op name -> kernel scratch bytes live while the op runs (``limit_bytes``'s
+        accounting).
 
     Raises
     ------
@@ -261,9 +266,6 @@ def rewrite_graph_def(
     schedule = _with_fused_producers(schedule, graph_def, graph, (data_in, data_consumers))
     schedule = _with_fresh_aliases(schedule, graph, data_in)
     largest = max((graph.nodes[v]["bytes"] for v in graph.nodes), default=0)
-    if run_ahead is None:
-        run_ahead = 0
-    room = _room_under_peak(graph, schedule) + run_ahead if strict and run_ahead > 0 else None
     new = type(graph_def)()
     new.CopyFrom(graph_def)
     nodes = {n.name: n for n in new.node}
@@ -355,6 +357,9 @@ def rewrite_graph_def(
     def single_consumer(u: str) -> bool:
         return len(data_consumers.get(_copy_base(u) or u, ())) == 1
 
+    def consumed_by_now(u: str) -> bool:
+        return all(c in pos_of_original for c in data_consumers.get(_copy_base(u) or u, ()))
+
     def fused_later(u: str) -> bool:
         """Whether ``u`` may be fused with a sibling the schedule has not run yet.
 
@@ -378,19 +383,25 @@ def rewrite_graph_def(
     n_copies = n_rewired = 0
     chain_triggers: list[str] = []
     prev_chain_end = 0
-    # The serial chain of big allocations: each entry is [big op, its bytes, the small
-    # ops scheduled after it that read a big tensor, its position]. A big op waits for
-    # the latest entry such that the big ops after it (which may still be running)
-    # hold at most ``run_ahead`` bytes and fit, with it, within ``run_ahead`` of the
-    # peak at every position it may now run ahead of; and for every small op
-    # recorded up to there.
-    lanes: list = [[None, 0, [], -1]]
-    waited_upto = 0  # lanes[:waited_upto] had their small ops waited for
+    # Strict ordering. An *anchored* big allocation waits for the previous anchored
+    # one, for every floating one since, and for every small op since that reads a
+    # big tensor (its run frees that tensor): when it runs, everything of size the
+    # schedule ran before it has run, so memory is what the simulator counted there.
+    # A *floating* big allocation waits for its data only; it is allowed where the
+    # room under ``limit_bytes`` (less what earlier floating ops reserved) holds its
+    # output at every position from the earliest it may run to its own.
+    anchor: list[str] = []  # the latest anchored big op (none before the first)
+    floating: list[str] = []  # floating big ops since the latest anchor
+    freeing: list[str] = []  # small ops reading a big tensor since the latest anchor's waits
     carry: list[str] = []
+    early: dict = {}  # node of the new graph -> earliest schedule position it may have run at
     # Strict ordering chains only ops whose output matters for the peak: chaining
     # every op put control edges between ops Grappler later fuses (oneDNN's
     # Conv2DBackpropFilter + BiasAddGrad), and the fused node closed a cycle.
     min_bytes = max(1, largest // 64)
+    sc = scratch or {}
+    room = _room(graph, schedule, limit_bytes, fixed_bytes, sc) if strict and limit_bytes else None
+    n_floating = 0
     for j, v in enumerate(schedule):
         k = count.get(v, 0)
         count[v] = k + 1
@@ -432,6 +443,7 @@ def rewrite_graph_def(
                         chain_triggers,
                     )
                     gates[key] = gate
+                    early[gate] = max([early.get(t, 0) for t in chain_triggers] + [early.get(op, 0)])
                 node.input.append(gate)
                 continue
             if bound != op:
@@ -442,29 +454,34 @@ def rewrite_graph_def(
         # Copies are ordered too: a gate releases a whole recomputation chain at once,
         # and independent branches of it (two BatchNorm blocks' statistics) ran
         # interleaved, holding one activation more each (docs/design.md).
+        start = max((early.get(_split(i.lstrip("^"))[0], 0) for i in node.input), default=0)
+        early[node.name] = start
         if strict and phase(v) != "input":
             data_srcs = {_split(i)[0] for i in node.input if not i.startswith("^")}
-            if graph.nodes[v]["bytes"] >= min_bytes and src.op not in FUSED_WITH_SIBLING:
-                # A big allocation waits for an earlier big one (the previous one
-                # unless run_ahead allows more) and for every small op up to there
-                # that reads a big tensor (and so frees it).
-                waits = list(carry)
-                own = graph.nodes[v]["bytes"]
-                i, ahead, free = len(lanes) - 1, 0, float("inf")
-                while i > 0 and ahead + lanes[i][1] <= run_ahead:
-                    # Past lane i, this op may run as early as right after lane i - 1.
-                    free = min(free, int(room[lanes[i - 1][3] + 1:lanes[i][3] + 1].min()))
-                    if ahead + lanes[i][1] + own > free:
-                        break
-                    ahead += lanes[i][1]
-                    i -= 1
-                while i < len(lanes) - 1 and i > 0 and single_consumer(lanes[i][0]):
-                    i += 1  # a fusion's interior op: a control fanout blocks the fusion
-                if lanes[i][0]:
-                    waits.append(lanes[i][0])
-                for e in lanes[waited_upto:i + 1]:
-                    waits += e[2]
-                waited_upto = max(waited_upto, i + 1)
+            own = graph.nodes[v]["bytes"]
+            if own >= min_bytes and src.op not in FUSED_WITH_SIBLING:
+                # An early run brings forward the kernel's scratch with its output,
+                # and that of every consumer left unordered (small, or fused with a
+                # sibling): it may start as soon as this op is done. Measured on a
+                # BFC CNN with Eigen kernels: two 32 MiB Conv2DBackpropFilter
+                # scratches overlapped, 81.1 MiB for a 73.3 MiB prediction.
+                need = own + sc.get(v, 0) + sum(
+                    sc.get(c, 0)
+                    for c in data_consumers.get(v, ())
+                    if c in graph and (graph.nodes[c]["bytes"] < min_bytes or originals[c].op in FUSED_WITH_SIBLING)
+                )
+                if room is not None and (start >= j or int(room[start:j].min()) >= need):
+                    room[start:j] -= need
+                    floating.append(node.name)
+                    n_floating += 1
+                    continue
+                # An anchor: waits for the previous anchor, the floating big ops and
+                # the freeing small ops since (a floating op that is the only input
+                # of a later op is left to it: its control fanout would block a
+                # fusion, see single_consumer).
+                waits = list(carry) + anchor + freeing
+                waits += [u for u in floating if not (single_consumer(u) and consumed_by_now(u))]
+                early[node.name] = j
                 if src.op == "AddN":
                     # A gradient AddN gets no ordering edge (_anchor_ordering_edges):
                     # the next big allocation waits for what it would have, or the
@@ -477,16 +494,16 @@ def rewrite_graph_def(
                         if u not in data_srcs and not fused_later(u):
                             node.input.append("^" + u)
                     carry = []
-                lanes.append([node.name, graph.nodes[v]["bytes"], [], j])
+                anchor, floating, freeing = [node.name], [], []
             elif any(
                 graph.nodes[producer_of].get("bytes", 0) >= min_bytes
                 for producer_of in (_split(i)[0] for i in src.input if not i.startswith("^"))
                 if producer_of in graph
             ):
-                lanes[-1][2].append(node.name)
+                freeing.append(node.name)
     _anchor_ordering_edges(new, graph_def, set(gates.values()), dtypes, position, _cse_twins(graph_def, graph))
     _restore_fanout(new, graph_def, dtypes)
-    return new, RewriteInfo(copies=n_copies, gates=len(gates), rewired_inputs=n_rewired)
+    return new, RewriteInfo(copies=n_copies, gates=len(gates), rewired_inputs=n_rewired, floating=n_floating)
 
 
 _ALIAS_SOURCES = frozenset({"Identity", "IdentityN", "StopGradient", "PreventGradient", "Snapshot"})
