@@ -35,6 +35,13 @@ EXTRA = {
     "xception": (16, (71, 71, 3)),
     "nasnetmobile": (16, (32, 32, 3)),
     "convnexttiny": (16, (32, 32, 3)),
+    "gru_conv1d": (48, (64, 16)),
+    "conv3d_bn": (8, (16, 32, 32, 3)),
+    "causal_decoder": (32, (64,)),
+    "vit_tiny": (32, (32, 32, 3)),
+    "mobilenetv3small": (32, (32, 32, 3)),
+    "efficientnetv2b0": (16, (32, 32, 3)),
+    "resnet50v2": (16, (32, 32, 3)),
 }
 
 
@@ -91,12 +98,52 @@ def _builders():
             h = L.Conv2D(c, 3, padding="same", activation="relu")(h)
         return keras.Model(inp, L.Dense(10)(L.GlobalAveragePooling2D()(h)))
 
+    def gru_conv1d():
+        inp = keras.Input(EXTRA["gru_conv1d"][1])
+        h = L.Conv1D(64, 3, padding="same", activation="relu")(inp)
+        h = L.GRU(64, return_sequences=True)(h)
+        h = L.GRU(32)(L.LayerNormalization()(h))
+        return keras.Model(inp, L.Dense(10)(h))
+
+    def conv3d_bn():
+        inp = keras.Input(EXTRA["conv3d_bn"][1])
+        h = inp
+        for c in (16, 32):
+            h = L.ReLU()(L.BatchNormalization()(L.Conv3D(c, 3, padding="same")(h)))
+            h = L.MaxPooling3D()(h)
+        return keras.Model(inp, L.Dense(10)(L.GlobalAveragePooling3D()(h)))
+
+    def causal_decoder(d=64, blocks=2):
+        seq = EXTRA["causal_decoder"][1][0]
+        inp = keras.Input((seq,))  # float, as the check feeds: made token ids
+        ids = L.Lambda(lambda t: keras.ops.cast(keras.ops.abs(t) * 100, "int32") % 1000)(inp)
+        h = L.Embedding(1000, d)(ids)
+        for _ in range(blocks):
+            a = L.MultiHeadAttention(4, d // 4, dropout=0.1)(h, h, use_causal_mask=True)
+            h = L.LayerNormalization()(L.Add()([h, a]))
+            f = L.Dense(d)(L.Dropout(0.1)(L.Dense(4 * d, activation="gelu")(h)))
+            h = L.LayerNormalization()(L.Add()([h, f]))
+        return keras.Model(inp, L.Dense(10)(h[:, -1]))
+
+    def vit_tiny(d=64, blocks=2):
+        inp = keras.Input(EXTRA["vit_tiny"][1])
+        h = L.Reshape((64, d))(L.Conv2D(d, 4, strides=4)(inp))
+        for _ in range(blocks):
+            n = L.LayerNormalization()(h)
+            h = L.Add()([h, L.MultiHeadAttention(4, d // 4)(n, n)])
+            n = L.LayerNormalization()(h)
+            h = L.Add()([h, L.Dense(d)(L.Dense(2 * d, activation="gelu")(n))])
+        return keras.Model(inp, L.Dense(10)(L.GlobalAveragePooling1D()(h)))
+
     def app(cls, name):
         return lambda: getattr(keras.applications, cls)(weights=None, input_shape=EXTRA[name][1], classes=10)
 
     out.update(conv1d_attention=conv1d_attention, embed_bilstm=embed_bilstm, autoencoder=autoencoder,
                sepconv_groupnorm=sepconv_groupnorm, unet=unet, xception=app("Xception", "xception"),
-               nasnetmobile=app("NASNetMobile", "nasnetmobile"), convnexttiny=app("ConvNeXtTiny", "convnexttiny"))
+               nasnetmobile=app("NASNetMobile", "nasnetmobile"), convnexttiny=app("ConvNeXtTiny", "convnexttiny"),
+               gru_conv1d=gru_conv1d, conv3d_bn=conv3d_bn, causal_decoder=causal_decoder, vit_tiny=vit_tiny,
+               mobilenetv3small=app("MobileNetV3Small", "mobilenetv3small"),
+               efficientnetv2b0=app("EfficientNetV2B0", "efficientnetv2b0"), resnet50v2=app("ResNet50V2", "resnet50v2"))
     return out
 
 
