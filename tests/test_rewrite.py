@@ -8,7 +8,7 @@ import pytest
 
 tf = pytest.importorskip("tensorflow")
 
-from tfremat.graph import build_graph  # noqa: E402
+from tfremat.graph import build_graph, producer  # noqa: E402
 from tfremat.rewrite import _cse_twins  # noqa: E402
 from tfremat.trace import trace  # noqa: E402
 
@@ -352,10 +352,6 @@ def test_an_edge_from_a_merged_product_moves_to_a_safe_op_it_reads():
     assert _waits(nodes, t) == ["^" + p], _waits(nodes, t)
 
 
-def _split_op(tensor: str) -> str:
-    return tensor.split(":")[0]
-
-
 def test_big_allocations_float_only_where_the_limit_leaves_room():
     """Without a limit every big op waits for the one before it (serial). With a
     limit, an op waits for its data only where its output fits under the limit from
@@ -395,16 +391,16 @@ def test_big_allocations_float_only_where_the_limit_leaves_room():
     # the scratch of a consumer left unordered (a small op) comes forward with an
     # early run: with the last sibling's reduction holding one tensor of scratch,
     # that sibling no longer fits early
-    (reduction,) = [n.name for n in traced.graph_def.node if n.op == "Sum" and _split_op(n.input[0]) == chain[4]]
+    (reduction,) = [n.name for n in traced.graph_def.node if n.op == "Sum" and producer(n.input[0]) == chain[4]]
     assert waits(limit_bytes=peak, scratch={reduction: size}) == ([[]] * 4 + [[0, 1, 2, 3]], 4)
 
 
 def test_a_floating_op_reserves_its_room_at_every_position_it_may_run_at():
     """``cos(x)`` may run as soon as ``x`` exists. At the schedule's peak (``exp``
     and ``sin`` live, the argument is fixed memory) there is no room for it under a
-    limit of that peak,
-    so it stays in the serial order (waits for ``exp`` and ``sin``); one tensor more
-    and it floats; the scratch of an op it may overlap counts like any tensor."""
+    limit of that peak, so it stays in the serial order (waits for ``exp`` and
+    ``sin``); one tensor more and it floats; the scratch of an op it may overlap
+    counts like any tensor."""
     from tfremat.rewrite import rewrite_graph_def
     from tfremat.simulate import simulate
 

@@ -454,27 +454,30 @@ def rewrite_graph_def(
         # Copies are ordered too: a gate releases a whole recomputation chain at once,
         # and independent branches of it (two BatchNorm blocks' statistics) ran
         # interleaved, holding one activation more each (docs/design.md).
-        start = max((early.get(_split(i.lstrip("^"))[0], 0) for i in node.input), default=0)
-        early[node.name] = start
+        if room is not None:  # where it may run from: only floating needs it
+            start = max((early.get(_split(i.lstrip("^"))[0], 0) for i in node.input), default=0)
+            early[node.name] = start
         if strict and phase(v) != "input":
             data_srcs = {_split(i)[0] for i in node.input if not i.startswith("^")}
             own = graph.nodes[v]["bytes"]
             if own >= min_bytes and src.op not in FUSED_WITH_SIBLING:
-                # An early run brings forward the kernel's scratch with its output,
-                # and that of every consumer left unordered (small, or fused with a
-                # sibling): it may start as soon as this op is done. Measured on a
-                # BFC CNN with Eigen kernels: two 32 MiB Conv2DBackpropFilter
-                # scratches overlapped, 81.1 MiB for a 73.3 MiB prediction.
-                need = own + sc.get(v, 0) + sum(
-                    sc.get(c, 0)
-                    for c in data_consumers.get(v, ())
-                    if c in graph and (graph.nodes[c]["bytes"] < min_bytes or originals[c].op in FUSED_WITH_SIBLING)
-                )
-                if room is not None and (start >= j or int(room[start:j].min()) >= need):
-                    room[start:j] -= need
-                    floating.append(node.name)
-                    n_floating += 1
-                    continue
+                if room is not None:
+                    # An early run brings forward the kernel's scratch with its output,
+                    # and that of every consumer left unordered (small, or fused with a
+                    # sibling): it may start as soon as this op is done. Measured on a
+                    # BFC CNN with Eigen kernels: two 32 MiB Conv2DBackpropFilter
+                    # scratches overlapped, 81.1 MiB for a 73.3 MiB prediction.
+                    need = own + sc.get(v, 0) + sum(
+                        sc.get(c, 0)
+                        for c in data_consumers.get(v, ())
+                        if c in graph
+                        and (graph.nodes[c]["bytes"] < min_bytes or originals[c].op in FUSED_WITH_SIBLING)
+                    )
+                    if start >= j or int(room[start:j].min()) >= need:
+                        room[start:j] -= need
+                        floating.append(node.name)
+                        n_floating += 1
+                        continue
                 # An anchor: waits for the previous anchor, the floating big ops and
                 # the freeing small ops since (a floating op that is the only input
                 # of a later op is left to it: its control fanout would block a
