@@ -32,6 +32,9 @@ MODELS = {
     "rnn": (64, (64, 32)),
     "cnn_fp16": (64, (32, 32, 3)),
     "mobilenetv2": (64, (32, 32, 3)),
+    # hard-swish and squeeze-excite products: Grappler's reassociation of the gradient
+    # of ``x * relu6(x + 3) / 6`` (tfremat.trace._live_ops, rewrite._MUL_FAMILY)
+    "mobilenetv3small": (32, (32, 32, 3)),
     "efficientnetb0": (64, (32, 32, 3)),
     "vgg16": (32, (64, 64, 3)),
     "densenet121": (32, (32, 32, 3)),
@@ -107,6 +110,7 @@ def _builders():
         "cnn": cnn,
         "cnn_fp16": cnn,
         "mobilenetv2": app("MobileNetV2"),
+        "mobilenetv3small": app("MobileNetV3Small"),
         "efficientnetb0": app("EfficientNetB0"),
         "vgg16": app("VGG16"),
         "densenet121": app("DenseNet121"),

@@ -273,6 +273,25 @@ def test_an_ordering_edge_never_lands_on_an_add_tree_the_optimizer_merges():
     assert _waits(nodes, relu) == ["^" + p]
 
 
+def test_an_ordering_edge_never_lands_on_a_division_the_optimizer_reassociates():
+    """``(g * x) / 6`` (the hard-swish gradient of MobileNetV3): Grappler turns the
+    division into a product by ``1/6`` and reassociates it with ``g * x`` unless the
+    division has a control input; MobileNetV3Small's rewritten step computed
+    ``x * (g/6)`` where the original computes ``(x/6) * g``. The edge is dropped (its
+    input still orders the division), with no gate in front of it either."""
+    @tf.function
+    def f(x, y):
+        p = tf.exp(y)
+        d = (tf.sin(x) * tf.cos(x)) / 6.0
+        return d, p
+
+    gd, _, ops, order = _traced(f, tf.ones((4,)), tf.ones((4,)))
+    d, p = only(ops, "RealDiv"), only(ops, "Exp")
+    nodes = _anchored(gd, order, [(d, p)])
+    assert _waits(nodes, d) == []
+    assert not [n for n in nodes if "_remat_order" in n]
+
+
 def test_a_gradient_addn_gets_no_ordering_edge():
     """An ``AddN`` (how gradients of a tensor read twice are summed) ordered through a
     control input or a gate on an input was summed differently (NASNetMobile: 0.1 in

@@ -113,3 +113,25 @@ def test_no_scratch_probes_while_an_outer_function_traces():
 
     outer()
     assert found == [{}]
+
+
+def test_dead_ops_are_dropped_as_the_runtime_drops_them():
+    """The function runtime prunes ops nothing reads before Grappler sees the body
+    (e.g. a gradient with respect to a constant divisor); counted, they changed the
+    consumer counts Grappler's rewrites decide from (MobileNetV3Small). Stateful ops
+    and the arguments stay even when nothing reads them."""
+    v = tf.Variable(1.0)
+
+    @tf.function
+    def f(x, unused):
+        dead = tf.square(x) * 3.0  # read by nothing
+        v.assign_add(1.0)  # stateful, read by nothing: runs anyway
+        return tf.sin(x)
+
+    traced = trace(f, (tf.ones((4,)), tf.ones((4,))), {})
+    names = {n.name for n in traced.graph_def.node}
+    assert {r.name for r in traced.records} == names
+    ops = {n.op for n in traced.graph_def.node}
+    assert "Square" not in ops and "Mul" not in ops
+    assert {"Sin", "AssignAddVariableOp"} <= ops
+    assert set(traced.arg_placeholders) <= names and len(traced.arg_placeholders) == 2
