@@ -39,9 +39,13 @@ EXTRA = {
     "conv3d_bn": (8, (16, 32, 32, 3)),
     "causal_decoder": (32, (64,)),
     "vit_tiny": (32, (32, 32, 3)),
-    "mobilenetv3small": (32, (32, 32, 3)),
     "efficientnetv2b0": (16, (32, 32, 3)),
     "resnet50v2": (16, (32, 32, 3)),
+    # session 11
+    "inceptionv3": (8, (75, 75, 3)),
+    "mobilenet": (32, (32, 32, 3)),
+    "noisy_cnn": (32, (32, 32, 3)),
+    "masked_lstm": (32, (48,)),
 }
 
 
@@ -135,6 +139,28 @@ def _builders():
             h = L.Add()([h, L.Dense(d)(L.Dense(2 * d, activation="gelu")(n))])
         return keras.Model(inp, L.Dense(10)(L.GlobalAveragePooling1D()(h)))
 
+    def noisy_cnn():
+        # random-noise layers (stateless RNG seeded from a variable), learned and fixed
+        # activations, resampling and cropping
+        inp = keras.Input(EXTRA["noisy_cnn"][1])
+        h = L.GaussianNoise(0.1)(inp)
+        h = L.PReLU(shared_axes=[1, 2])(L.Conv2D(32, 3, padding="same")(h))
+        h = L.SpatialDropout2D(0.2)(L.Activation("mish")(L.Conv2D(32, 3, padding="same")(h)))
+        h = L.MaxPooling2D()(h)
+        h = L.GaussianDropout(0.2)(L.LeakyReLU(0.1)(L.Conv2D(64, 3, padding="same")(h)))
+        h = L.Cropping2D(2)(L.UpSampling2D(interpolation="bilinear")(h))
+        h = L.Activation("hard_silu")(L.LayerNormalization()(L.Conv2D(32, 3, padding="same")(h)))
+        h = L.Activation("selu")(L.DepthwiseConv2D(3, padding="same")(h))
+        return keras.Model(inp, L.Dense(10)(L.AlphaDropout(0.1)(L.GlobalAveragePooling2D()(h))))
+
+    def masked_lstm():
+        inp = keras.Input(EXTRA["masked_lstm"][1])  # float, as the check feeds: token ids, 0 masked
+        ids = L.Lambda(lambda t: keras.ops.cast(keras.ops.maximum(t, 0.0) * 300, "int32") % 500)(inp)
+        h = L.Embedding(500, 64, mask_zero=True)(ids)
+        h = L.LSTM(64, return_sequences=True)(h)
+        h = L.Dense(128, activation="tanh")(h)
+        return keras.Model(inp, L.Dense(10)(L.LSTM(32)(h)))
+
     def app(cls, name):
         return lambda: getattr(keras.applications, cls)(weights=None, input_shape=EXTRA[name][1], classes=10)
 
@@ -142,8 +168,9 @@ def _builders():
                sepconv_groupnorm=sepconv_groupnorm, unet=unet, xception=app("Xception", "xception"),
                nasnetmobile=app("NASNetMobile", "nasnetmobile"), convnexttiny=app("ConvNeXtTiny", "convnexttiny"),
                gru_conv1d=gru_conv1d, conv3d_bn=conv3d_bn, causal_decoder=causal_decoder, vit_tiny=vit_tiny,
-               mobilenetv3small=app("MobileNetV3Small", "mobilenetv3small"),
-               efficientnetv2b0=app("EfficientNetV2B0", "efficientnetv2b0"), resnet50v2=app("ResNet50V2", "resnet50v2"))
+               efficientnetv2b0=app("EfficientNetV2B0", "efficientnetv2b0"), resnet50v2=app("ResNet50V2", "resnet50v2"),
+               inceptionv3=app("InceptionV3", "inceptionv3"), mobilenet=app("MobileNet", "mobilenet"),
+               noisy_cnn=noisy_cnn, masked_lstm=masked_lstm)
     return out
 
 
