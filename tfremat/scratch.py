@@ -9,9 +9,10 @@ simulated peak was 49.1 MiB ran at 58.8-60.0 MiB when its peak fell on one of th
 over a 61.5 MiB budget on some runs. With oneDNN's float32 kernels the same ops use
 no counted scratch. Which kernel runs depends on the build, the CPU, the dtype and
 the environment, so the bytes are measured, not modelled: each distinct signature
-(op type, attributes, input shapes and dtypes) of the op types below runs once, alone,
-in a ``tf.function`` on the step's device, and its scratch is the allocator's peak
-during the call less what was live before and the op's outputs.
+(op type, attributes, input shapes and dtypes) of the op types below, and of calls
+compiled with XLA, runs once, alone, in a ``tf.function`` on the step's device, and
+its scratch is the allocator's peak during the call less what was live before and
+the op's outputs.
 
 The measurement resets the allocator's peak statistic (``reset_memory_stats``) of that
 device, once per probe, while a new input signature is planned. Without allocator

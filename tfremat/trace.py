@@ -211,7 +211,7 @@ def _live_ops(graph, outputs, keep=()) -> set:
     The function runtime prunes the rest before Grappler sees the body, so a step's
     dead ops (e.g. the gradient of a division with respect to a constant divisor) are
     dropped here too: counted as consumers, they made the rewrite order an input
-    through a gate, or give a copy a placeholder consumer, where the runtime sees a
+    through a gate, or give a copy an unused fan-out consumer, where the runtime sees a
     single consumer; Grappler's arithmetic rewrites decide from those counts (found on
     MobileNetV3Small: the hard-swish gradient ``(g * x) / 6`` was reassociated in the
     original and not in the rewritten step, 1.7e-4 after 3 steps).
@@ -256,9 +256,8 @@ def trace(fn, args: tuple, kwargs: dict | None = None) -> TracedStep:
     outputs = list(cf.outputs)
     live = _live_ops(graph, outputs, keep=[t.op.name for t in cf.inputs])
     graph_def = graph.as_graph_def()
-    dead = [n for n in graph_def.node if n.name not in live]
-    if dead:
-        kept = [n for n in graph_def.node if n.name in live]
+    kept = [n for n in graph_def.node if n.name in live]
+    if len(kept) < len(graph_def.node):
         del graph_def.node[:]
         graph_def.node.extend(kept)
     functions = {f.signature.name: f for f in graph_def.library.function}
