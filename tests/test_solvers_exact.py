@@ -132,3 +132,23 @@ def test_exact_below_lower_bound_raises():
     with pytest.raises(InfeasibleBudgetError) as ei:
         solve(Problem(g, 19), "exact")
     assert ei.value.min_feasible_bytes == 20
+
+
+def test_exact_keeps_precedences_without_bytes():
+    """TensorFlow control edges (graph attribute ``order_edges``) order first
+    computations: here q may not run before r, nor s before p, so both 10-byte
+    values exist before either consumer runs, which costs a recomputation."""
+    from tfremat.simulate import check_precedences
+
+    g = nx.DiGraph()
+    for v, b in dict(x=1, p=10, q=1, r=10, s=1).items():
+        g.add_node(v, bytes=b, cost=1.0)
+    g.add_edges_from([("x", "p"), ("p", "q"), ("x", "r"), ("r", "s")])
+    free = solve(Problem(g, 13), EXACT2)
+    assert free.cost == 5  # q right after p, nothing recomputed
+    g.graph["order_edges"] = [("r", "q"), ("p", "s")]
+    plan = solve(Problem(g, 13), EXACT2)  # solve() also checks the precedences
+    check_precedences(g, plan.schedule)
+    first = {v: plan.schedule.index(v) for v in g}
+    assert first["r"] < first["q"] and first["p"] < first["s"]
+    assert plan.cost == 6

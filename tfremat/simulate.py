@@ -122,6 +122,33 @@ def simulate(graph: nx.DiGraph, schedule: Sequence[Node], fixed_bytes: int = 0) 
     return Simulation(int(memory[pos]), float(cost), memory, pos)
 
 
+def check_precedences(graph: nx.DiGraph, schedule: Sequence[Node]) -> None:
+    """Check the graph's precedences without bytes (graph attribute ``order_edges``:
+    TensorFlow control edges, ``Shape`` ops after their input): for each ``(u, v)``
+    the first computation of ``u`` comes before the first computation of ``v``.
+
+    :func:`simulate` leaves them out (they hold no memory); a rewrite of a schedule
+    that breaks one would close a cycle with the control edge itself.
+
+    Raises
+    ------
+    InvalidScheduleError
+        For the first precedence the schedule breaks.
+    """
+    edges = graph.graph.get("order_edges", ())
+    if not edges:
+        return
+    first: dict = {}
+    for j, v in enumerate(schedule):
+        first.setdefault(v, j)
+    for u, v in edges:
+        if u in first and v in first and first[u] > first[v]:
+            raise InvalidScheduleError(
+                f"node {v!r} first runs at position {first[v]}, before {u!r} (position "
+                f"{first[u]}), which must precede it (a control edge or a shape read)"
+            )
+
+
 def reference_simulation(graph: nx.DiGraph, fixed_bytes: int = 0) -> Simulation:
     """Simulate the reference order (graph attribute ``order``, else a topological sort)."""
     order = graph.graph.get("order")

@@ -13,7 +13,7 @@ from typing import Callable, Mapping, Union
 
 from ..errors import InfeasibleBudgetError, InvalidScheduleError, RematError
 from ..plan import Plan, Problem, Solver
-from ..simulate import simulate
+from ..simulate import check_precedences, simulate
 from .auto import auto_solver
 from .baselines import BASELINES
 from .common import make_plan
@@ -78,6 +78,7 @@ def solve(problem: Problem, solver: SolverLike = "auto") -> Plan:
         raise RematError(f"solver {solver!r} returned {type(plan).__name__}, not a tfremat.Plan")
     try:
         sim = simulate(problem.graph, plan.schedule, problem.fixed_bytes)
+        check_precedences(problem.graph, plan.schedule)
     except InvalidScheduleError as e:
         raise RematError(f"solver {plan.solver!r} returned an invalid schedule: {e}") from e
     if sim.peak_bytes > problem.budget_bytes:

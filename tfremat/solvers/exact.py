@@ -237,6 +237,11 @@ def cpsat_plan(problem: Problem, hint: Plan | None, hint_error=None, max_computa
             m.AddBoolOr(options).OnlyEnforceIf(pres[iv_, c])
         # The first computation of a consumer follows the producer's first one.
         m.Add(start[iu, 0] < start[iv_, 0])
+    # Precedences without bytes (TensorFlow control edges, shape reads): first
+    # computations only, as the rewrite needs (check_precedences).
+    for u, v in g.graph.get("order_edges", ()):
+        if u in idx and v in idx:
+            m.Add(start[idx[u], 0] < start[idx[v], 0])
     if keep_order:
         for a_, b_ in zip(nodes, nodes[1:]):
             m.Add(start[idx[a_], 0] < start[idx[b_], 0])
