@@ -55,7 +55,16 @@ SOMETIMES_NOT_BITWISE: dict = {}  # none now (EfficientNetB0's fused-cone gap: d
 SLACK = {"vgg16": 0.02}
 # (name, fraction) -> why the measured peak may go over the budget (it varies from run
 # to run, so these are non-strict xfails).
-OVER_BUDGET: dict = {}  # none now (the mixed-precision CNN's: kernel scratch, docs/keras.md)
+OVER_BUDGET: dict = {
+    # Found with the profiler replay (docs/keras.md, session 12): a second recomputation
+    # of a 2 MiB Dense output whose only possible triggers are GELU-gradient products
+    # Grappler rewrites runs beside the first (+2 MiB), and oneDNN's BFC pool puts 2 MiB
+    # requests in 3.0-3.5 MiB chunks. Measured 12.5-15.5 MiB for a 15.2 MiB budget
+    # (12.1 predicted) once LayerNorm's gradient stopped being held by a control edge
+    # and the smallest budget fell from 15.8 MiB.
+    ("transformer", 0): "an order the rewrite cannot enforce plus allocator chunk rounding "
+                        "(docs/keras.md): up to 0.3 MiB over at the smallest budget + 10 %",
+}
 CLOSE_ATOL: dict = {}  # name -> max |diff| for models known not to be bitwise
 
 
