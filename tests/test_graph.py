@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
+from tfremat.errors import InvalidScheduleError
 from tfremat.graph import OpRecord, TensorInfo, build_graph
-from tfremat.simulate import simulate
+from tfremat.simulate import check_precedences, simulate
 
 MIB = 2**20
 
@@ -94,11 +97,6 @@ def test_a_control_input_orders_but_keeps_no_tensor_alive():
 
 
 def test_a_schedule_breaking_a_control_edge_is_rejected():
-    import pytest
-
-    from tfremat.errors import InvalidScheduleError
-    from tfremat.simulate import check_precedences
-
     shape = (256, 1024)
     records = [
         _op("x", "Placeholder", out=[_t(MIB, shape)]),

@@ -881,8 +881,17 @@ def _anchor_ordering_edges(new, graph_def, gate_names, dtypes, position, twins=f
                     heapq.heappush(heap, (-position.get(p, -1), p))
         return None
 
-    def stable_input(v):
-        """The input of v to gate: its producer is never merged with v by a rewrite."""
+    def stable_input(v, computed=True):
+        """The input of v to gate: its producer is never merged with v by a rewrite.
+        A variable read first; with ``computed``, else a tensor with several consumers.
+
+        An op that may merge with a neighbour (``in_group``) passes ``computed=False``:
+        a gate on a computed operand of a Mul chain changes how the arithmetic
+        optimizer regroups it. Found on MobileNetV3Small at its smallest budget + 10 %
+        (131 ops recomputed): the hard-swish gradient ``(g*x) / 6`` with g gated
+        became ``(x/6) * g`` instead of the original ``(g/6) * x`` (MinimizeBroadcasts
+        pairs the scalar with one operand; which one moved with the gate), 2.6e-4
+        after 3 steps. A gated variable read (LayerNorm's scale) is left as it was."""
         best = None
         for pos, i in enumerate(nodes[v].input):
             if i.startswith("^"):
@@ -892,7 +901,7 @@ def _anchor_ordering_edges(new, graph_def, gate_names, dtypes, position, twins=f
                 continue
             if p.op in _STABLE_PRODUCERS:
                 return pos
-            if best is None and len(consumers.get(p.name, ())) >= 2:
+            if computed and best is None and len(consumers.get(p.name, ())) >= 2:
                 best = pos
         return best
 
@@ -943,9 +952,10 @@ def _anchor_ordering_edges(new, graph_def, gate_names, dtypes, position, twins=f
             # bisected by target op type: 0.1 in some variables after 3 Adam steps),
             # so it gets neither; its inputs still order it.
             continue
-        pos = stable_input(v)
+        grouped = in_group(v)
+        pos = stable_input(v, computed=not grouped)
         if pos is None:
-            if in_group(v):
+            if grouped:
                 # A control input on v would keep the arithmetic optimizer from
                 # merging v's Add tree (or Mul chain), so its sum would be taken in
                 # another order. Found on NASNetMobile, nothing recomputed: its cells
@@ -956,15 +966,6 @@ def _anchor_ordering_edges(new, graph_def, gate_names, dtypes, position, twins=f
             node.input.extend("^" + a for a in srcs)
             continue
         inp = node.input[pos]
-        if in_group(v) and nodes[_split(inp)[0]].op not in _STABLE_PRODUCERS:
-            # A gate on a computed operand of a Mul chain changes how the arithmetic
-            # optimizer regroups it. Found on MobileNetV3Small at its smallest budget
-            # + 10 % (131 ops recomputed): the hard-swish gradient ``(g*x) / 6`` with
-            # g gated became ``(x/6) * g`` instead of the original ``(g/6) * x``
-            # (MinimizeBroadcasts pairs the scalar with one operand; which one moved
-            # with the gate), 2.6e-4 after 3 steps. v's inputs still order it; a
-            # gated variable read (LayerNorm's scale) is left as it was.
-            continue
         key = (inp, tuple(srcs))
         g = order_gates.get(key)
         if g is None:
