@@ -38,6 +38,7 @@ def emit(traced: TracedStep, graph_def, name: str = "remat") -> Any:
     kept_nodes = [n for n in gd.node if n.name not in fed]
     del gd.node[:]
     gd.node.extend(kept_nodes)
+    _drop_colocation_with(gd, fed)
 
     def body(*args):
         g = tf.compat.v1.get_default_graph()
@@ -56,3 +57,26 @@ def emit(traced: TracedStep, graph_def, name: str = "remat") -> Any:
         return tf.nest.pack_sequence_as(structure, list(flat), expand_composites=True)
 
     return tf.function(body, input_signature=specs, autograph=False, reduce_retracing=False)
+
+
+def _drop_colocation_with(graph_def, names) -> None:
+    """Remove colocation constraints (``_class: loc:@NAME``) naming dropped nodes.
+
+    TensorFlow colocates some ops with an argument or a captured variable handle
+    (``tf.nn.embedding_lookup`` with the table's handle, ``tf.image``'s stateless ops
+    with their input); those placeholders are fed, not imported, and
+    ``import_graph_def`` rejects a constraint naming a node it does not have. The fed
+    tensor lives where the original did, so the constraint has nothing left to say.
+    """
+    for node in graph_def.node:
+        if "_class" not in node.attr:
+            continue
+        values = list(node.attr["_class"].list.s)
+        keep = [v for v in values if not (v.startswith(b"loc:@") and v[5:].decode() in names)]
+        if len(keep) == len(values):
+            continue
+        if keep:
+            del node.attr["_class"].list.s[:]
+            node.attr["_class"].list.s.extend(keep)
+        else:
+            del node.attr["_class"]
