@@ -229,7 +229,11 @@ def with_scratch(graph: nx.DiGraph, scratch: Mapping[str, int]) -> nx.DiGraph:
     return g
 
 
-def build_graph(records: Sequence[OpRecord], argument_ops: Iterable[str] = ()) -> StepGraph:
+def build_graph(
+    records: Sequence[OpRecord],
+    argument_ops: Iterable[str] = (),
+    handle_bytes: Mapping[str, int] | None = None,
+) -> StepGraph:
     """Build the planning graph of a step from its ops in program (creation) order.
 
     Parameters
@@ -239,6 +243,11 @@ def build_graph(records: Sequence[OpRecord], argument_ops: Iterable[str] = ()) -
     argument_ops : iterable of str
         Placeholders that are function arguments (their bytes are fixed: the caller
         holds them for the whole step).
+    handle_bytes : mapping of str to int, optional
+        Bytes of the variable behind each captured resource placeholder. Without it a
+        variable is sized by the reads and assigns of the step's own graph, which miss
+        one used only inside a called function (the optimizer slots a
+        ``LossScaleOptimizer`` updates inside its ``tf.cond``).
     """
     argument_ops = set(argument_ops)
     by_name = {r.name: r for r in records}
@@ -311,6 +320,10 @@ def build_graph(records: Sequence[OpRecord], argument_ops: Iterable[str] = ()) -
                 idx = output_index(r.inputs[1])
                 if idx < len(src.outputs):
                     variable_sizes[h] = max(variable_sizes.get(h, 0), src.outputs[idx].bytes)
+
+    for h, b in (handle_bytes or {}).items():
+        if h in by_name:  # a handle the runtime keeps (dead ops are not in records)
+            variable_sizes[h] = max(variable_sizes.get(h, 0), int(b))
 
     constant_bytes += _fold_splat_constants(records, by_name, g)
 

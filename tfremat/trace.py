@@ -31,6 +31,8 @@ class TracedStep:
     dtypes: dict[str, list[int]]  # op name -> DataType enum per output
     structured_outputs: Any
     python_function: Callable
+    # captured resource placeholder op name -> bytes of the variable behind it
+    handle_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 def as_tf_function(fn):
@@ -301,4 +303,21 @@ def trace(fn, args: tuple, kwargs: dict | None = None) -> TracedStep:
         dtypes={op.name: [t.dtype.as_datatype_enum for t in op.outputs] for op in graph.get_operations()},
         structured_outputs=structured,
         python_function=getattr(tf_fn, "python_function", fn),
+        handle_bytes=_handle_bytes(cf, captures),
     )
+
+
+def _handle_bytes(cf, captures) -> dict[str, int]:
+    """Bytes of each captured variable, by its placeholder in the step's graph.
+
+    From the variables themselves (``ConcreteFunction.variables``), matched to the
+    captures by handle: a variable the step uses only inside a called function (a
+    ``tf.cond`` branch) has no read in the step's own graph to size it by.
+    """
+    by_handle = {}
+    for v in cf.variables:
+        try:
+            by_handle[id(v.handle)] = int(v.shape.num_elements()) * v.dtype.size
+        except (AttributeError, TypeError):  # unknown shape or no handle: sized by its reads
+            continue
+    return {name: by_handle[id(ext)] for ext, name in captures if id(ext) in by_handle}
