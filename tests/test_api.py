@@ -242,6 +242,36 @@ def test_ops_colocated_with_an_argument_or_a_captured_variable_are_rewritten():
         np.testing.assert_array_equal(a.numpy(), b.numpy())
 
 
+def test_a_gradient_repeating_forward_ops_is_planned_as_merged_and_exact():
+    """A hand-written gradient recomputes ``sigmoid(x)`` and ``x * sigmoid(x)`` from
+    ``x``; Grappler merges them with the forward's (CSE), so they are computed once, in
+    the forward pass. The plan counts them so (each forward twin's buffer held until
+    the gradient reads it) and the rewrite binds their readers to the forward ones:
+    an op that lost those readers to a recomputed copy keeps its merged consumer
+    count (else oneDNN fuses ``x * sigmoid(x)`` and the swish differs, 6e-8)."""
+    tf.config.experimental.enable_op_determinism()
+    x, y = make_data("swish", batch=1024, width=256)
+    ref_model, ref = make_step("swish", "sgd", layers=8, width=256)
+    model, step = make_step("swish", "sgd", layers=8, width=256)
+    probe = tfremat.remat(step, budget_gib=1.0)
+    plan = probe.get_plan(x, y)
+    g = list(probe._cache.values())[0].step_graph.graph
+    twins = {
+        v: d["twin_of"] for v, d in g.nodes(data=True)
+        if d.get("twin_of") and g.nodes[d["twin_of"]]["bytes"] >= 2**20  # the activation-sized ones
+    }
+    assert len(twins) == 16, twins  # sigmoid(x) and x * sigmoid(x) per layer
+    assert {g.nodes[u]["phase"] for u in twins.values()} == {"forward"}
+    assert {g.nodes[v]["bytes"] for v in twins} == {0}
+    budget = (plan.fixed_bytes + 0.7 * (plan.baseline_peak_bytes - plan.fixed_bytes)) / 0.95
+    fn = tfremat.remat(step, budget_gib=budget / 2**30)
+    assert fn.get_plan(x, y).recomputed
+    ref_losses = [float(ref(x, y)) for _ in range(3)]
+    assert [float(fn(x, y)) for _ in range(3)] == ref_losses
+    for a, b in zip(model.variables, ref_model.variables):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+
 def test_replans_when_memory_outside_the_step_grew_during_the_first_call(monkeypatch):
     """Slots that get their own memory only at the first update: plan again, once."""
     import tfremat.api as api

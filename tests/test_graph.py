@@ -108,3 +108,33 @@ def test_a_schedule_breaking_a_control_edge_is_rejected():
     simulate(g, ["x", "b", "a"])  # memory-wise valid...
     with pytest.raises(InvalidScheduleError, match="must precede"):
         check_precedences(g, ["x", "b", "a"])  # ...but b must wait for a
+
+
+def _attr_op(name, op_type, inputs, attrs="f32"):
+    return OpRecord(name, op_type, tuple(inputs), (), (_t(MIB, (256, 1024)),), stateful=False, attr_digest=attrs)
+
+
+@pytest.mark.parametrize("attrs, merged", [("f32", True), ("f16", False), ("", False)])
+def test_a_repeated_computation_is_one_buffer_held_until_its_last_reader(attrs, merged):
+    """Grappler's CSE computes ``s2 = Sigmoid(x)`` once with ``s1``: s2's reader holds
+    s1's buffer, and nothing is computed at s2's place. Different attributes, or none
+    known, are separate computations."""
+    records = [
+        _op("x", "Placeholder", out=[_t(MIB, (256, 1024))]),
+        _attr_op("s1", "Sigmoid", ["x:0"]),
+        _attr_op("h", "Mul", ["x:0", "s1:0"]),
+        _attr_op("t", "MatMul", ["h:0", "h:0"]),
+        _attr_op("s2", "Sigmoid", ["x:0"], attrs),
+        _attr_op("out", "Mul", ["t:0", "s2:0"]),
+    ]
+    sg = build_graph(records, ["x"])
+    g = sg.graph
+    order = list(g.graph["order"])
+    if merged:
+        assert g.nodes["s2"]["twin_of"] == "s1" and g.nodes["s2"]["bytes"] == 0
+        assert set(g.predecessors("s2")) == {"s1"}
+    live_at_t = simulate(g, order, sg.fixed_bytes).memory[order.index("t")] - sg.fixed_bytes
+    # h and t; and s1 when it waits for s2's reader
+    assert live_at_t == (3 if merged else 2) * MIB
+    if not merged:
+        assert "twin_of" not in g.nodes["s2"] and g.nodes["s2"]["bytes"] == MIB

@@ -25,10 +25,34 @@ def residual_cnn(channels: int = 16, blocks: int = 3, size: int = 32):
     return keras.Model(inp, keras.layers.Dense(10)(h))
 
 
+@tf.custom_gradient
+def swish(x):
+    """``x * sigmoid(x)`` whose gradient recomputes ``sigmoid(x)`` and ``x * sigmoid(x)``
+    from ``x``, as hand-written gradients do: Grappler merges those with the forward's."""
+    y = x * tf.sigmoid(x)
+
+    def grad(dy):
+        s = tf.sigmoid(x)
+        return dy * (s + x * s * (1.0 - s))
+
+    return y, grad
+
+
+def swish_mlp(layers: int = 8, width: int = 256):
+    inp = keras.Input((width,))
+    h = inp
+    for _ in range(layers):
+        h = keras.layers.Lambda(swish)(keras.layers.Dense(width)(h))
+    return keras.Model(inp, keras.layers.Dense(10)(h))
+
+
+MODELS = {"mlp": mlp, "cnn": residual_cnn, "swish": swish_mlp}
+
+
 def make_step(kind: str = "mlp", optimizer: str = "sgd", seed: int = 0, **kw):
     """Return ``(model, step)``: a fresh model and its plain ``tf.function`` train step."""
     keras.utils.set_random_seed(seed)
-    model = mlp(**kw) if kind == "mlp" else residual_cnn(**kw)
+    model = MODELS[kind](**kw)
     opt = keras.optimizers.SGD(0.01) if optimizer == "sgd" else keras.optimizers.Adam(1e-3)
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     return model, tf.function(gradient_step(model, opt, loss_fn))
@@ -48,7 +72,7 @@ def gradient_step(model, opt, loss_fn):
 
 
 def make_data(kind: str = "mlp", batch: int = 512, width: int = 256, size: int = 32, seed: int = 1):
-    shape = (batch, width) if kind == "mlp" else (batch, size, size, 3)
+    shape = (batch, size, size, 3) if kind == "cnn" else (batch, width)
     x = tf.random.stateless_normal(shape, seed=(seed, 0))
     y = tf.random.stateless_uniform((batch,), seed=(seed, 1), minval=0, maxval=10, dtype=tf.int32)
     return x, y

@@ -67,6 +67,7 @@ class OpRecord:
     calls_function: bool = False
     equation: str = ""  # Einsum's equation, for its FLOP estimate
     value_digest: str = ""  # Const ops: a digest of the value (equal constants merge)
+    attr_digest: str = ""  # a digest of every attribute ("": unknown, never merged)
 
 
 def producer(tensor_name: str) -> str:
@@ -229,6 +230,42 @@ def with_scratch(graph: nx.DiGraph, scratch: Mapping[str, int]) -> nx.DiGraph:
     return g
 
 
+# Inputs in any order compute the same (Grappler's dedup sorts them).
+_COMMUTATIVE = frozenset({"Add", "AddV2", "AddN", "Mul", "Maximum", "Minimum"})
+_NEVER_MERGED = frozenset({"Placeholder", "_Arg", "Const", "HostConst"})
+
+
+def _cse_twins(records: Sequence[OpRecord], g: nx.DiGraph) -> dict:
+    """Later twin -> first twin, for the ops Grappler's common-subexpression
+    elimination merges: same type, attributes and (canonical) data and control
+    inputs, neither stateful nor calling a function.
+
+    A gradient often repeats a forward computation from the forward's own inputs (a
+    custom gradient's ``sigmoid(x)``, ``x * sigmoid(x)``); the executor runs the
+    merged op as soon as its inputs are ready, in the forward pass, and its output
+    stays live until the gradient reads it. Measured on an 8-layer MLP with a custom
+    swish gradient: eight such tensors (8 MiB) live through the forward pass that a
+    graph without twins placed in the backward (predicted 23 MiB, measured 29-30).
+    """
+    rep: dict = {}
+    first: dict = {}
+    twins: dict = {}
+    for r in records:
+        d = g.nodes[r.name]
+        if not r.attr_digest or r.op_type in _NEVER_MERGED or not d["recomputable"] or d["stateful"]:
+            continue
+        data = [(rep.get(producer(t), producer(t)), output_index(t)) for t in r.inputs]
+        if r.op_type in _COMMUTATIVE:
+            data = sorted(data)
+        ctrl = tuple(sorted(rep.get(c, c) for c in r.control_inputs))
+        key = (r.op_type, tuple(data), ctrl, r.attr_digest)
+        u = first.setdefault(key, r.name)
+        if u != r.name:
+            rep[r.name] = u
+            twins[r.name] = u
+    return twins
+
+
 def build_graph(
     records: Sequence[OpRecord],
     argument_ops: Iterable[str] = (),
@@ -327,12 +364,25 @@ def build_graph(
 
     constant_bytes += _fold_splat_constants(records, by_name, g)
 
+    # Grappler's common-subexpression elimination computes an op once for all its
+    # twins: each later twin is an alias of the first (no bytes, no cost, its readers
+    # hold the first one's buffer), and the rewrite binds its readers to the first.
+    twin_of = _cse_twins(records, g)
+    for v, u in twin_of.items():
+        for p in [p for p in g.predecessors(v) if g.edges[p, v]["kind"] == "data"]:
+            g.remove_edge(p, v)
+        g.add_edge(u, v, kind="data")
+        g.nodes[v].update(bytes=0, largest_tensor=0, cost=0.0, alias=True, twin_of=u)
+
     # An aliasing op's consumers keep its source buffer alive: add liveness edges
     # from the buffer's owner (the first non-aliasing producer) to those consumers.
     def owner(name: str) -> str:
         seen = set()
         while g.nodes[name]["alias"] and name not in seen:
             seen.add(name)
+            if name in twin_of:
+                name = twin_of[name]
+                continue
             rec = by_name[name]
             if not rec.inputs:
                 break

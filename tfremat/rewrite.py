@@ -159,7 +159,8 @@ def _with_fresh_aliases(schedule: Sequence[Hashable], graph: nx.DiGraph, data_in
     """
     def alias(w) -> bool:
         d = graph.nodes[w] if w in graph else None
-        return bool(d and d.get("alias") and d.get("recomputable") and data_in.get(w))
+        # (a CSE twin is an alias of its first twin, not of its input: rewrite binds it)
+        return bool(d and d.get("alias") and d.get("recomputable") and data_in.get(w) and not d.get("twin_of"))
 
     last: dict = {}
     out: list = []
@@ -402,10 +403,19 @@ def rewrite_graph_def(
     sc = scratch or {}
     room = _room(graph, schedule, limit_bytes, fixed_bytes, sc) if strict and limit_bytes else None
     n_floating = 0
+    # Twins Grappler's CSE would merge (graph.py): readers of a later twin read the
+    # first one's latest computation, as the planning graph counted them; the later
+    # twin is left without readers, and the runtime prunes it.
+    twin = {v: d["twin_of"] for v, d in graph.nodes(data=True) if d.get("twin_of")}
     for j, v in enumerate(schedule):
         k = count.get(v, 0)
         count[v] = k + 1
         src = originals[v]
+        if v in twin:
+            if k == 0:
+                pos_of_original[v] = j
+            latest[v] = latest.get(twin[v], twin[v])
+            continue
         if k == 0:
             node = nodes[v]
             pos_of_original[v] = j
@@ -427,6 +437,7 @@ def rewrite_graph_def(
                 node.input.append(inp)
                 continue
             op, idx = _split(inp)
+            op = twin.get(op, op)
             bound = latest.get(op, op)
             if k > 0 and bound == op and chain_triggers and originals[op].op not in _CONSTS:
                 # (a constant is not gated: the gate would hide it from constant
@@ -505,7 +516,7 @@ def rewrite_graph_def(
             ):
                 freeing.append(node.name)
     _anchor_ordering_edges(new, graph_def, set(gates.values()), dtypes, position, _cse_twins(graph_def, graph))
-    _restore_fanout(new, graph_def, dtypes)
+    _restore_fanout(new, graph_def, dtypes, twin)
     return new, RewriteInfo(copies=n_copies, gates=len(gates), rewired_inputs=n_rewired, floating=n_floating)
 
 
@@ -539,7 +550,7 @@ _MUL_FAMILY = frozenset({"Mul", "RealDiv", "Div"})
 FANOUT_SINK = "tfremat_fanout_sink"
 
 
-def _restore_fanout(new, graph_def, dtypes) -> None:
+def _restore_fanout(new, graph_def, dtypes, twin=None) -> None:
     """Give every op (original or copy) at least as many consumers as the original op had.
 
     Measured on a Keras Transformer: once the backward GELU read a recomputed copy of
@@ -551,17 +562,23 @@ def _restore_fanout(new, graph_def, dtypes) -> None:
     ``_grappler_do_not_remove``); all of them feed the control inputs of one ``NoOp``
     that emit.py makes the outputs wait for, so the runtime does not prune them.
     """
-    def count(gd) -> dict:
+    twin = twin or {}
+
+    def count(gd, merge=False) -> dict:
         out: dict = {}
         for n in gd.node:
+            if merge and n.name in twin:
+                continue  # merged away: its readers read the first twin
             for i in {i for i in n.input if not i.startswith("^")}:
                 p, idx = _split(i)
+                if merge:  # the counts Grappler sees once CSE merged the twins
+                    p = twin.get(p, p)
                 key = (p, int(idx[1:]) if idx else 0)
                 out[key] = out.get(key, 0) + 1
         return out
 
     ref: dict = {}
-    for (p, k), c in count(graph_def).items():
+    for (p, k), c in count(graph_def, merge=True).items():
         ref.setdefault(p, []).append((k, c))
     cur = count(new)
     ops = {n.name: n for n in graph_def.node}
@@ -571,8 +588,8 @@ def _restore_fanout(new, graph_def, dtypes) -> None:
         # copy (``<op>/_remat1/_remat_order``) reads the copy's input, whose dtype may
         # differ (found on the mixed-precision CNN: a float dummy on a half Cast input).
         base = n.name if n.name in ops else _copy_base(n.name)
-        if base is None or base not in ops or ops[base].op in _CONSTS:
-            continue  # a gate, anchor or fan-out node of this rewrite, or a constant
+        if base is None or base not in ops or ops[base].op in _CONSTS or base in twin:
+            continue  # a gate, anchor or fan-out node of this rewrite, a constant, a twin
         for k, want in ref.get(base, ()):
             have = cur.get((n.name, k), 0)
             types = dtypes.get(base) or []

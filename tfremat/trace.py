@@ -200,6 +200,15 @@ def _output_infos(op, functions: dict) -> tuple[TensorInfo, ...]:
     return tuple(infos)
 
 
+def _attr_digest(op) -> str:
+    """A digest of every attribute: ops that also share type and inputs compute the same."""
+    h = hashlib.sha1()
+    for k in sorted(op.node_def.attr):
+        h.update(k.encode())
+        h.update(op.node_def.attr[k].SerializeToString(deterministic=True))
+    return h.hexdigest()
+
+
 def _value_digest(op) -> str:
     if op.type not in ("Const", "HostConst"):
         return ""
@@ -283,6 +292,7 @@ def trace(fn, args: tuple, kwargs: dict | None = None) -> TracedStep:
                 calls_function=calls_function,
                 equation=op.get_attr("equation").decode() if op.type == "Einsum" else "",
                 value_digest=_value_digest(op),
+                attr_digest=_attr_digest(op),
             )
         )
     structured = cf.structured_outputs
