@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tfremat.errors import InvalidScheduleError
-from tfremat.simulate import reference_simulation, simulate, single_op_lower_bound
+from tfremat.simulate import free_running_order, reference_simulation, simulate, single_op_lower_bound
 
 from strategies import dags
 
@@ -164,3 +164,18 @@ def test_a_plan_with_scratch_nodes_dropped_is_a_valid_plan_of_the_graph(g, data)
     sim = simulate(g, stripped)  # raises if invalid
     # the scratch only adds memory: the plan without it peaks no higher
     assert sim.peak_bytes <= plan.predicted_peak_bytes <= budget
+
+
+def test_free_running_order_runs_each_op_as_soon_as_its_inputs_allow():
+    g = nx.DiGraph()
+    for v in "xabcm":
+        g.add_node(v, bytes=1, cost=1.0)
+    g.add_edges_from([("x", "a"), ("a", "b"), ("b", "c"), ("x", "m"), ("m", "c")])
+    g.graph["order_edges"] = [("a", "d")]
+    g.add_node("d", bytes=1, cost=1.0)
+    order = free_running_order(g, ["x", "a", "b", "d", "m", "c"])
+    # m needs x only: it runs beside a, not where the program put it; d waits for a
+    assert order == ["x", "a", "m", "b", "d", "c"]
+    simulate(g, order)  # a valid order
+    with pytest.raises(InvalidScheduleError):
+        free_running_order(g, ["x", "a", "a", "b", "d", "m", "c"])

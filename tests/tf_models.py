@@ -53,7 +53,11 @@ def make_step(kind: str = "mlp", optimizer: str = "sgd", seed: int = 0, **kw):
     """Return ``(model, step)``: a fresh model and its plain ``tf.function`` train step."""
     keras.utils.set_random_seed(seed)
     model = MODELS[kind](**kw)
-    opt = keras.optimizers.SGD(0.01) if optimizer == "sgd" else keras.optimizers.Adam(1e-3)
+    opt = {
+        "sgd": lambda: keras.optimizers.SGD(0.01),
+        "momentum": lambda: keras.optimizers.SGD(0.01, momentum=0.9),
+        "adam": lambda: keras.optimizers.Adam(1e-3),
+    }[optimizer]()
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     return model, tf.function(gradient_step(model, opt, loss_fn))
 
