@@ -45,6 +45,27 @@ def _case(name):
     keras.utils.set_random_seed(0)
     tf.random.set_seed(0)
 
+    def sgd(tape, loss, vs, lr=0.01):
+        for w, g in zip(vs, tape.gradient(loss, vs)):
+            w.assign_sub(lr * g)
+
+    def mlp_case(n, B, D, layer, lr=0.01, dtype="float32"):
+        """n square layers ``h = layer(i, h @ w)``, a squared loss, plain SGD."""
+        ws = [var((D, D), dtype=dtype) for _ in range(n)]
+        x = tf.constant(rng.standard_normal((B, D)).astype(dtype))
+        y = tf.constant(rng.standard_normal((B, D)).astype(dtype))
+
+        def step(x, y):
+            with tf.GradientTape() as tape:
+                h = x
+                for i, w in enumerate(ws):
+                    h = layer(i, h @ w)
+                loss = tf.reduce_mean((h - y) ** 2)
+            sgd(tape, loss, ws, lr)
+            return loss
+
+        return step, [(x, y)] * STEPS, lambda: ws
+
     def var(shape, scale=None, dtype="float32"):
         scale = scale or (1.0 / np.sqrt(shape[0] if len(shape) == 2 else np.prod(shape[:-1])))
         return tf.Variable((rng.standard_normal(shape) * scale).astype(dtype))
@@ -107,21 +128,7 @@ def _case(name):
 
             return y, grad
 
-        ws = [var((D, D)) for _ in range(8)]
-        x = tf.constant(rng.standard_normal((B, D)).astype("float32"))
-        y = tf.constant(rng.standard_normal((B, D)).astype("float32"))
-
-        def step(x, y):
-            with tf.GradientTape() as tape:
-                h = x
-                for w in ws:
-                    h = clipped_swish(h @ w)
-                loss = tf.reduce_mean((h - y) ** 2)
-            for w, g in zip(ws, tape.gradient(loss, ws)):
-                w.assign_sub(0.01 * g)
-            return loss
-
-        return step, [(x, y)] * STEPS, lambda: ws
+        return mlp_case(8, B, D, lambda i, h: clipped_swish(h))
 
     if name == "recompute_grad":
         B, D = 512, 512
@@ -140,8 +147,7 @@ def _case(name):
                 for i in range(0, 8, 2):
                     h = (rblock if i == 0 else block)(h, ws[i], ws[i + 1])
                 loss = tf.reduce_mean((h - y) ** 2)
-            for w, g in zip(ws, tape.gradient(loss, ws)):
-                w.assign_sub(0.001 * g)
+            sgd(tape, loss, ws, 0.001)
             return loss
 
         return step, [(x, y)] * STEPS, lambda: ws
@@ -185,8 +191,7 @@ def _case(name):
                         h = tf.while_loop(lambda k, a: k < 3, lambda k, a: (k + 1, tf.tanh(a @ u) + a), (0, h))[1]
                 loss = tf.reduce_mean((h - y) ** 2)
             vs = ws + [u]
-            for w, g in zip(vs, tape.gradient(loss, vs)):
-                w.assign_sub(0.01 * g)
+            sgd(tape, loss, vs, 0.01)
             return loss
 
         return step, [(x, y, flag)] * STEPS, lambda: ws + [u]
@@ -239,44 +244,19 @@ def _case(name):
 
     if name == "stateful_dropout":
         B, D = 512, 512
-        ws = [var((D, D)) for _ in range(8)]
-        x = tf.constant(rng.standard_normal((B, D)).astype("float32"))
-        y = tf.constant(rng.standard_normal((B, D)).astype("float32"))
         gen = tf.random.Generator.from_seed(1)
 
-        def step(x, y):
-            with tf.GradientTape() as tape:
-                h = x
-                for i, w in enumerate(ws):
-                    h = tf.nn.relu(h @ w)
-                    if i % 2:
-                        h = tf.nn.dropout(h, 0.2, seed=i)  # stateful RNG op
-                    else:
-                        h = h * tf.cast(gen.uniform(tf.shape(h)) > 0.1, h.dtype)  # generator state
-                loss = tf.reduce_mean((h - y) ** 2)
-            for w, g in zip(ws, tape.gradient(loss, ws)):
-                w.assign_sub(0.01 * g)
-            return loss
+        def layer(i, h):
+            h = tf.nn.relu(h)
+            if i % 2:
+                return tf.nn.dropout(h, 0.2, seed=i)  # stateful RNG op
+            return h * tf.cast(gen.uniform(tf.shape(h)) > 0.1, h.dtype)  # generator state
 
-        return step, [(x, y)] * STEPS, lambda: ws
+        return mlp_case(8, B, D, layer)
 
     if name == "float64":
         B, D = 256, 512
-        ws = [var((D, D), dtype="float64") for _ in range(6)]
-        x = tf.constant(rng.standard_normal((B, D)))
-        y = tf.constant(rng.standard_normal((B, D)))
-
-        def step(x, y):
-            with tf.GradientTape() as tape:
-                h = x
-                for w in ws:
-                    h = tf.nn.softplus(h @ w)
-                loss = tf.reduce_mean((h - y) ** 2)
-            for w, g in zip(ws, tape.gradient(loss, ws)):
-                w.assign_sub(0.01 * g)
-            return loss
-
-        return step, [(x, y)] * STEPS, lambda: ws
+        return mlp_case(6, B, D, lambda i, h: tf.nn.softplus(h), dtype="float64")
 
     if name == "contrastive":
         B = 128
@@ -321,8 +301,7 @@ def _case(name):
                 h = tf.nn.avg_pool2d(h, 3, 1, "SAME")
                 h = tf.nn.conv2d_transpose(h, kt, [B, 32, 32, 32], 2, "SAME")
                 loss = tf.reduce_mean(tf.abs(h - y))
-            for w, g in zip(vs, tape.gradient(loss, vs)):
-                w.assign_sub(0.01 * g)
+            sgd(tape, loss, vs, 0.01)
             return loss
 
         return step, [(x, y)] * STEPS, lambda: vs
