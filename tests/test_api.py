@@ -199,11 +199,27 @@ def test_a_variable_used_only_inside_a_branch_counts_as_fixed_memory():
     assert sorted(sg.variable_sizes) == [64 * 64 * 4, 256 * 1024 * 4]
 
 
+def _assert_exact_when_recomputing(build, args, fraction=0.8):
+    """``build() -> (step, variables)``, called twice: the plain step and tfremat's, at
+    a budget leaving ``fraction`` of the activations' memory (it must recompute),
+    train 3 steps to bitwise equal losses and variables."""
+    tf.config.experimental.enable_op_determinism()
+    ref, ref_vars = build()
+    ref_losses = [float(ref(*args)) for _ in range(3)]
+    step, variables = build()
+    probe = tfremat.remat(step, budget_gib=1.0).get_plan(*args)
+    budget = (probe.fixed_bytes + fraction * (probe.baseline_peak_bytes - probe.fixed_bytes)) / 0.95
+    fn = tfremat.remat(step, budget_gib=budget / 2**30)
+    assert fn.get_plan(*args).recomputed
+    assert [float(fn(*args)) for _ in range(3)] == ref_losses
+    for a, b in zip(variables, ref_vars):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+
 def test_ops_colocated_with_an_argument_or_a_captured_variable_are_rewritten():
     """tf.nn.embedding_lookup colocates its gather with the table's handle and tf.image's
     stateless ops with their input; both placeholders are fed, not imported, and the
     constraints named nodes the imported graph lacked (import_graph_def refused it)."""
-    tf.config.experimental.enable_op_determinism()
 
     def build():
         rng = np.random.default_rng(0)
@@ -229,17 +245,7 @@ def test_ops_colocated_with_an_argument_or_a_captured_variable_are_rewritten():
     rng = np.random.default_rng(1)
     img = tf.constant(rng.standard_normal((1024, 8, 8, 8)).astype("float32"))
     ids = tf.constant(rng.integers(0, 500, (1024, 1)).astype("int32"))
-    seed = tf.constant([1, 2])
-    ref, ref_vars = build()
-    ref_losses = [float(ref(img, ids, seed)) for _ in range(3)]
-    step, variables = build()
-    probe = tfremat.remat(step, budget_gib=1.0).get_plan(img, ids, seed)
-    budget = (probe.fixed_bytes + 0.8 * (probe.baseline_peak_bytes - probe.fixed_bytes)) / 0.95
-    fn = tfremat.remat(step, budget_gib=budget / 2**30)
-    assert fn.get_plan(img, ids, seed).recomputed
-    assert [float(fn(img, ids, seed)) for _ in range(3)] == ref_losses
-    for a, b in zip(variables, ref_vars):
-        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    _assert_exact_when_recomputing(build, (img, ids, tf.constant([1, 2])))
 
 
 def test_a_gradient_repeating_forward_ops_is_planned_as_merged_and_exact():
@@ -276,7 +282,6 @@ def test_a_gradient_penalty_step_is_rewritten_exactly():
     """A tape inside a tape (WGAN-GP): the loss reads a gradient, so the step's
     backward pass differentiates a backward pass. Recomputed activations must feed
     both, and every variable ends bitwise equal."""
-    tf.config.experimental.enable_op_determinism()
 
     def build():
         rng = np.random.default_rng(0)
@@ -308,16 +313,7 @@ def test_a_gradient_penalty_step_is_rewritten_exactly():
     rng = np.random.default_rng(1)
     real, fake = (tf.constant(rng.standard_normal((1024, 256)).astype("float32")) for _ in range(2))
     alpha = tf.constant(rng.uniform(size=(1024, 1)).astype("float32"))
-    ref, ref_vars = build()
-    ref_losses = [float(ref(real, fake, alpha)) for _ in range(3)]
-    step, variables = build()
-    probe = tfremat.remat(step, budget_gib=1.0).get_plan(real, fake, alpha)
-    budget = (probe.fixed_bytes + 0.8 * (probe.baseline_peak_bytes - probe.fixed_bytes)) / 0.95
-    fn = tfremat.remat(step, budget_gib=budget / 2**30)
-    assert fn.get_plan(real, fake, alpha).recomputed
-    assert [float(fn(real, fake, alpha)) for _ in range(3)] == ref_losses
-    for a, b in zip(variables, ref_vars):
-        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    _assert_exact_when_recomputing(build, (real, fake, alpha))
 
 
 def test_replans_when_memory_outside_the_step_grew_during_the_first_call(monkeypatch):
