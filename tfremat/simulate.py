@@ -77,11 +77,35 @@ def simulate(graph: nx.DiGraph, schedule: Sequence[Node], fixed_bytes: int = 0) 
         if graph.number_of_nodes():
             raise InvalidScheduleError("empty schedule for a non-empty graph")
         return Simulation(int(fixed_bytes), 0.0, np.zeros(0, np.int64), 0)
+    sizes, last_use, _ = buffer_lifetimes(graph, schedule)
+    cost = float(sum(graph.nodes[v]["cost"] for v in schedule))
+    diff = np.zeros(n + 1, dtype=np.int64)
+    np.add.at(diff, np.arange(n), sizes)
+    np.add.at(diff, last_use + 1, -sizes)
+    memory = np.cumsum(diff[:n]) + int(fixed_bytes)
+    pos = int(np.argmax(memory))
+    return Simulation(int(memory[pos]), float(cost), memory, pos)
+
+
+def buffer_lifetimes(graph: nx.DiGraph, schedule: Sequence[Node]):
+    """The buffers of ``schedule``: who allocates what, and until when.
+
+    Returns ``(sizes, last_use, takes_over)``: position ``j`` allocates ``sizes[j]``
+    bytes, live through position ``last_use[j]``; ``takes_over`` maps a position
+    whose ``inplace`` node forwards an input's buffer (same size, at that input's
+    last use) to the position that allocated it (that input's ``last_use`` is then
+    one position earlier: the output holds the buffer from there on).
+
+    Raises
+    ------
+    InvalidScheduleError
+        As :func:`simulate`.
+    """
+    n = len(schedule)
     nodes = graph.nodes
     last_comp: dict = {}
     last_use = np.arange(n, dtype=np.int64)
     sizes = np.empty(n, dtype=np.int64)
-    cost = 0.0
     inplace: list[tuple[int, list[int]]] = []
     for j, v in enumerate(schedule):
         if v not in nodes:
@@ -103,23 +127,19 @@ def simulate(graph: nx.DiGraph, schedule: Sequence[Node], fixed_bytes: int = 0) 
             bound.append(i)
         last_comp[v] = j
         sizes[j] = attrs["bytes"]
-        cost += attrs["cost"]
         if attrs.get("inplace") and attrs["bytes"] > 0:
             inplace.append((j, bound))
+    takes_over: dict[int, int] = {}
     for j, bound in inplace:
         for i in bound:
             if last_use[i] == j and sizes[i] == sizes[j]:
                 last_use[i] = j - 1  # the output takes over this buffer
+                takes_over[j] = i
                 break
     if len(last_comp) != graph.number_of_nodes():
         missing = [v for v in graph.nodes if v not in last_comp][:5]
         raise InvalidScheduleError(f"nodes never computed, e.g. {missing!r}")
-    diff = np.zeros(n + 1, dtype=np.int64)
-    np.add.at(diff, np.arange(n), sizes)
-    np.add.at(diff, last_use + 1, -sizes)
-    memory = np.cumsum(diff[:n]) + int(fixed_bytes)
-    pos = int(np.argmax(memory))
-    return Simulation(int(memory[pos]), float(cost), memory, pos)
+    return sizes, last_use, takes_over
 
 
 def check_precedences(graph: nx.DiGraph, schedule: Sequence[Node]) -> None:
