@@ -53,7 +53,8 @@ class Plan:
     and every consumer binds to the most recent computation of each input.
     ``kept`` lists the forward values held for a later phase without recomputation
     (see :func:`kept_values`); ``fixed_bytes`` is the problem's fixed memory, included
-    in every peak.
+    in every peak. ``tfremat.remat`` also fills ``allocator_peak_bytes``: the peak the
+    allocator would report for the schedule (:mod:`tfremat.allocator`).
     """
 
     schedule: tuple[Node, ...]
@@ -68,6 +69,9 @@ class Plan:
     solve_s: float = 0.0
     kept: tuple[Node, ...] = ()
     fixed_bytes: int = 0
+    # What the allocator's statistics are predicted to report (its chunks, not the
+    # requests: tfremat.allocator); None where the plan was not checked that way.
+    allocator_peak_bytes: int | None = None
 
     @property
     def recomputed(self) -> tuple[Node, ...]:
