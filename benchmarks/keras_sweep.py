@@ -1,6 +1,7 @@
 """Robustness sweep: Keras models the tests do not cover, through the tests' own check.
 
     python benchmarks/keras_sweep.py [NAME ...]
+    python benchmarks/keras_sweep.py variants   # how a model is compiled and fed
 
 For each model (default: all of ``EXTRA``), Keras' own 3 Adam steps run in one fresh
 process and tfremat's in another (``tests/test_models.py``'s ``_check``: budget 60 % of
@@ -13,6 +14,7 @@ minutes each on 2 cores. Results: docs/keras.md ("Other Keras models").
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -174,9 +176,112 @@ def _builders():
     return out
 
 
-_test_builders = tm._builders
+# Session 14: how the model is compiled and fed, on one small BatchNorm + dropout CNN
+# (tests' "cnn" at batch 32). name -> model.compile overrides (a function of keras).
+VARIANT_SHAPE = (32, (32, 32, 3))
+VARIANTS = {
+    "opt_adamw": lambda k: dict(optimizer=k.optimizers.AdamW(1e-3, weight_decay=0.01)),
+    "opt_rmsprop_centered": lambda k: dict(optimizer=k.optimizers.RMSprop(1e-3, momentum=0.9, centered=True)),
+    "opt_nadam": lambda k: dict(optimizer=k.optimizers.Nadam(1e-3)),
+    "opt_adamax": lambda k: dict(optimizer=k.optimizers.Adamax(1e-3)),
+    "opt_adagrad": lambda k: dict(optimizer=k.optimizers.Adagrad(0.01)),
+    "opt_adadelta": lambda k: dict(optimizer=k.optimizers.Adadelta(1.0)),
+    "opt_lion": lambda k: dict(optimizer=k.optimizers.Lion(1e-4)),
+    "opt_adafactor": lambda k: dict(optimizer=k.optimizers.Adafactor(1e-3)),
+    "opt_ftrl": lambda k: dict(optimizer=k.optimizers.Ftrl(0.01)),
+    "opt_sgd_nesterov": lambda k: dict(optimizer=k.optimizers.SGD(0.01, momentum=0.9, nesterov=True)),
+    "opt_clipnorm": lambda k: dict(optimizer=k.optimizers.Adam(1e-3, clipnorm=1.0)),
+    "opt_clipvalue": lambda k: dict(optimizer=k.optimizers.Adam(1e-3, clipvalue=0.01)),
+    "opt_global_clipnorm": lambda k: dict(optimizer=k.optimizers.Adam(1e-3, global_clipnorm=1.0)),
+    "opt_ema": lambda k: dict(optimizer=k.optimizers.Adam(1e-3, use_ema=True, ema_overwrite_frequency=2)),
+    "opt_grad_accum": lambda k: dict(optimizer=k.optimizers.Adam(1e-3, gradient_accumulation_steps=2)),
+    "opt_loss_scale_factor": lambda k: dict(optimizer=k.optimizers.Adam(1e-3, loss_scale_factor=64.0)),
+    "sample_weight": lambda k: {},
+    "regularized": lambda k: {},
+    "multi_output": lambda k: dict(
+        loss=[k.losses.SparseCategoricalCrossentropy(from_logits=True), "mse"],
+        loss_weights=[1.0, 0.5], metrics=[["accuracy"], ["mae"]]),
+    "binary_auc": lambda k: dict(
+        loss=k.losses.BinaryCrossentropy(from_logits=True),
+        metrics=[k.metrics.AUC(from_logits=True), k.metrics.BinaryAccuracy(threshold=0.0)]),
+    "custom_train_step": lambda k: {},
+    "bf16": lambda k: {},
+}
+
+
+def _variant_builders():
+    import keras
+    import tensorflow as tf
+
+    L = keras.layers
+
+    def cnn_body(inp, regularize=False):
+        reg = dict(kernel_regularizer=keras.regularizers.L2(1e-4)) if regularize else {}
+        h = inp
+        for i in range(4):
+            r = L.Dropout(0.2)(L.ReLU()(L.BatchNormalization()(L.Conv2D(32, 3, padding="same", **reg)(h))))
+            h = r if i == 0 else L.Add()([h, r])
+        return L.GlobalAveragePooling2D()(h)
+
+    class CustomStep(keras.Model):
+        # A train_step of one's own: clipped gradients, a loss from compute_loss.
+        def train_step(self, data):
+            x, y = data[0], data[1]
+            with tf.GradientTape() as tape:
+                pred = self(x, training=True)
+                loss = self.compute_loss(x=x, y=y, y_pred=pred)
+            grads = tape.gradient(loss, self.trainable_variables)
+            grads = [tf.clip_by_norm(g, 1.0) for g in grads]
+            self.optimizer.apply(grads, self.trainable_variables)
+            return {"loss": loss}
+
+    def build(name):
+        if name == "bf16":
+            keras.mixed_precision.set_global_policy("mixed_bfloat16")
+        inp = keras.Input(VARIANT_SHAPE[1])
+        h = cnn_body(inp, regularize=name == "regularized")
+        if name == "multi_output":
+            return keras.Model(inp, [L.Dense(10)(h), L.Dense(1)(h)])
+        if name == "binary_auc":
+            return keras.Model(inp, L.Dense(1, dtype="float32")(h))
+        if name == "regularized":
+            return keras.Model(inp, L.Dense(10, activity_regularizer=keras.regularizers.L1(1e-5))(h))
+        if name == "custom_train_step":
+            return CustomStep(inputs=inp, outputs=L.Dense(10)(h))
+        return keras.Model(inp, L.Dense(10, dtype="float32")(h))
+
+    return {name: functools.partial(build, name) for name in VARIANTS}
+
+
+def _compile_kwargs(name):
+    import keras
+
+    kwargs = _test_compile_kwargs(name)
+    if name in VARIANTS:
+        kwargs.update(VARIANTS[name](keras))
+    return kwargs
+
+
+def _data(name, batch, shape):
+    import numpy as np
+    import tensorflow as tf
+
+    x, y, extra = _test_data(name, batch, shape)
+    rng = np.random.default_rng(1)
+    if name == "sample_weight":
+        extra = dict(sample_weight=tf.constant(rng.uniform(0.1, 2.0, (batch,)).astype("float32")))
+    elif name == "multi_output":
+        y = (y, tf.constant(rng.standard_normal((batch, 1)).astype("float32")))
+    elif name == "binary_auc":
+        y = tf.constant(rng.integers(0, 2, (batch, 1)).astype("float32"))
+    return x, y, extra
+
+
+_test_builders, _test_compile_kwargs, _test_data = tm._builders, tm._compile_kwargs, tm._data
 tm.MODELS.update(EXTRA)
-tm._builders = _builders
+tm.MODELS.update({name: VARIANT_SHAPE for name in VARIANTS})
+tm._builders = lambda: {**_builders(), **_variant_builders()}
+tm._compile_kwargs, tm._data = _compile_kwargs, _data
 
 
 def _run(name: str, fraction: float, role: str, state: str) -> dict:
@@ -219,4 +324,5 @@ if __name__ == "__main__":
         name, fraction, role, state = sys.argv[2:6]
         print(json.dumps(tm._check(name, float(fraction), role, state)))
     else:
-        main(sys.argv[1:] or list(EXTRA))
+        args = sys.argv[1:]
+        main(list(VARIANTS) if args == ["variants"] else args or list(EXTRA))

@@ -127,6 +127,28 @@ def _builders():
     }
 
 
+def _compile_kwargs(name: str) -> dict:
+    """``model.compile``'s arguments (benchmarks/fit_sweep.py varies them)."""
+    import keras
+
+    return dict(
+        optimizer=keras.optimizers.Adam(1e-3),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+
+
+def _data(name: str, batch: int, shape: tuple):
+    """One batch ``(x, y, train_on_batch's other keyword arguments)``."""
+    import numpy as np
+    import tensorflow as tf
+
+    rng = np.random.default_rng(0)
+    x = tf.constant(rng.standard_normal((batch,) + shape).astype("float32"))
+    y = tf.constant(rng.integers(0, 10, (batch,)).astype("int32"))
+    return x, y, {}
+
+
 def _check(name: str, fraction: float, role: str, state_file: str, slack: float = 0.1) -> dict:
     """Train ``name`` for 3 steps: Keras' own step (role "reference") or tfremat's.
 
@@ -149,20 +171,14 @@ def _check(name: str, fraction: float, role: str, state_file: str, slack: float 
     tf.config.experimental.enable_op_determinism()
     batch, shape = MODELS[name]
     build = _builders()[name]
-    rng = np.random.default_rng(0)
-    x = tf.constant(rng.standard_normal((batch,) + shape).astype("float32"))
-    y = tf.constant(rng.integers(0, 10, (batch,)).astype("int32"))
+    x, y, extra = _data(name, batch, shape)
 
     def make():
         keras.utils.set_random_seed(0)
         if name.endswith("fp16"):
             keras.mixed_precision.set_global_policy("mixed_float16")
         model = build()
-        model.compile(
-            optimizer=keras.optimizers.Adam(1e-3),
-            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            metrics=["accuracy"],
-        )
+        model.compile(**_compile_kwargs(name))
         return model
 
     def train(model):
@@ -170,7 +186,7 @@ def _check(name: str, fraction: float, role: str, state_file: str, slack: float 
         for _ in range(STEPS):
             tf.config.experimental.reset_memory_stats("CPU:0")
             t0 = time.perf_counter()
-            logs.append({k: float(v) for k, v in model.train_on_batch(x, y, return_dict=True).items()})
+            logs.append({k: float(v) for k, v in model.train_on_batch(x, y, return_dict=True, **extra).items()})
             times.append(time.perf_counter() - t0)
             peaks.append(int(tf.config.experimental.get_memory_info("CPU:0")["peak"]))
         state = [v.numpy() for v in model.variables] + [v.numpy() for v in model.optimizer.variables]
@@ -192,15 +208,15 @@ def _check(name: str, fraction: float, role: str, state_file: str, slack: float 
     budget = fraction * baseline or 1.0
     tfremat.keras.remat(model, budget_gib=budget / 2**30)
     try:
-        plan = tfremat.keras.get_plan(model, x, y)
+        plan = tfremat.keras.get_plan(model, x, y, **extra)
     except tfremat.InfeasibleBudgetError as e:
         out["infeasible_at_fraction"] = True
         out["min_feasible"] = e.min_feasible_bytes
         budget = (1 + slack) * e.min_feasible_bytes
         tfremat.keras.remat(model, budget_gib=budget / 2**30)
-        plan = tfremat.keras.get_plan(model, x, y)
+        plan = tfremat.keras.get_plan(model, x, y, **extra)
     logs, peaks, state, _ = train(model)
-    plan = tfremat.keras.get_plan(model, x, y)  # the plan the later steps ran (re-planned?)
+    plan = tfremat.keras.get_plan(model, x, y, **extra)  # the plan the later steps ran (re-planned?)
     diffs = [
         float(np.max(np.abs(a.astype("float64") - b.astype("float64")))) if a.size else 0.0
         for a, b in zip(ref_state, state)
