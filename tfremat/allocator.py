@@ -105,24 +105,24 @@ class BFCPool:
             return
         chunk.in_use = False
         self.in_use -= chunk.size
-        nxt = chunk.next
-        if nxt is not None and not nxt.in_use:
-            self._remove(nxt)
-            chunk.size += nxt.size
-            chunk.next = nxt.next
-            if nxt.next is not None:
-                nxt.next.prev = chunk
-        prev = chunk.prev
-        if prev is not None and not prev.in_use:
-            self._remove(prev)
-            prev.size += chunk.size
-            prev.next = chunk.next
-            if chunk.next is not None:
-                chunk.next.prev = prev
-            chunk = prev
+        if chunk.next is not None and not chunk.next.in_use:
+            self._remove(chunk.next)
+            self._absorb(chunk, chunk.next)
+        if chunk.prev is not None and not chunk.prev.in_use:
+            self._remove(chunk.prev)
+            chunk = self._absorb(chunk.prev, chunk)
         self._insert(chunk)
 
     # -- internals -----------------------------------------------------------
+    @staticmethod
+    def _absorb(left: _Chunk, right: _Chunk) -> _Chunk:
+        """Merge ``right`` into its left neighbour ``left`` (neither in the free list)."""
+        left.size += right.size
+        left.next = right.next
+        if right.next is not None:
+            right.next.prev = left
+        return left
+
     def _extend(self, size: int) -> None:
         grew = False
         while size > self.next_region_bytes:
