@@ -331,6 +331,13 @@ def rewrite_graph_def(
                         return True
             return False
 
+        # A trigger the executor may run early orders nothing: an L2 regularizer's
+        # gradient reads only variables and the loss's seed, runs at the start of the
+        # backward pass whatever its place in the schedule, and released a copy with
+        # it (a regularized CNN: 42.0 MiB measured for a 29.9 MiB prediction). Prefer
+        # triggers that cannot run before the latest anchored big op.
+        floor = position.get(anchor[0], 0) if anchor else 0
+        candidates.sort(key=lambda t: early.get(latest.get(t, t), floor) < floor)
         triggers: list[str] = []
         for t in candidates:
             if not risky(t):
