@@ -177,7 +177,7 @@ def _builders():
 
 
 # Session 14: how the model is compiled and fed, on one small BatchNorm + dropout CNN
-# (tests' "cnn" at batch 32). name -> model.compile overrides (a function of keras).
+# (4 residual conv blocks, batch 32). name -> model.compile overrides (a function of keras).
 VARIANT_SHAPE = (32, (32, 32, 3))
 VARIANTS = {
     "opt_adamw": lambda k: dict(optimizer=k.optimizers.AdamW(1e-3, weight_decay=0.01)),

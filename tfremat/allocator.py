@@ -183,7 +183,6 @@ def allocator_peak(
     smallest_pooled: int = 0,
     steps: int = 2,
     count_unpooled: bool = True,
-    history: Sequence[Sequence[Hashable]] = (),
 ) -> AllocatorReport:
     """Replay ``schedule`` ``steps`` times through a :class:`BFCPool`.
 
@@ -207,8 +206,6 @@ def allocator_peak(
     steps : int
         Steps replayed back to back on one pool: the first grows the pool, the
         later ones run on its regions (every later step is the same as the second).
-    history : sequence of schedules
-        Replayed before the steps, not counted (what ran in the process before).
 
     Returns
     -------
@@ -216,50 +213,58 @@ def allocator_peak(
     """
     from .simulate import simulate
 
-    requested = simulate(graph, schedule).peak_bytes + int(outside_bytes) + sum(
-        int(b) for b in resident
-    )
+    resident = [int(b) for b in resident]
+    requested = simulate(graph, schedule).peak_bytes + int(outside_bytes) + sum(resident)
     pooled = max(1, int(smallest_pooled))
+    # The schedule's buffers, once for every step: which are pooled, which counted
+    # apart (a loop's lists always, small requests if ``count_unpooled``), when each
+    # is freed (an in-place output frees the buffer it took over instead).
+    sizes, last_use, takes_over = buffer_lifetimes(graph, schedule)
+    n = len(sizes)
+    is_pooled = [False] * n
+    counted = [count_unpooled] * n
+    for j, nbytes in enumerate(sizes):
+        src = takes_over.get(j)
+        if src is not None:
+            is_pooled[j], counted[j] = is_pooled[src], counted[src]
+        elif graph.nodes[schedule[j]].get("op_type") in LIST_OPS:
+            counted[j] = True
+        else:
+            is_pooled[j] = nbytes >= pooled
+    handed_on = set(takes_over.values())
+    frees_at: dict[int, list[int]] = {}
+    for i, j in enumerate(last_use):
+        if i not in handed_on:
+            frees_at.setdefault(int(j), []).append(i)
+
     pool = BFCPool()
-    unpooled = 0  # resident and live requests under ``smallest_pooled``, at their size
+    unpooled = 0  # resident buffers counted apart
     for b in resident:
         if b >= pooled:
-            pool.allocate(int(b))
+            pool.allocate(b)
         elif count_unpooled:
-            unpooled += int(b)
+            unpooled += b
     peaks = []
-    runs = [(h, False) for h in history] + [(schedule, True)] * max(1, int(steps))
-    for sched, counts in runs:
-        sizes, last_use, takes_over = buffer_lifetimes(graph, sched)
-        handed_on = set(takes_over.values())  # buffers an in-place output frees instead
-        frees_at: dict[int, list[int]] = {}
-        for i, j in enumerate(last_use):
-            if i not in handed_on:
-                frees_at.setdefault(int(j), []).append(i)
-        handles: list = [None] * len(sizes)
-        counted = [count_unpooled] * len(sizes)  # for buffers outside the pool
-        small = 0
+    for _ in range(max(1, int(steps))):
+        handles: list = [None] * n
+        apart = 0  # live buffers counted apart
         peak = pool.in_use + unpooled
         for j, nbytes in enumerate(sizes):
             src = takes_over.get(j)
             if src is not None:
-                handles[j], counted[j] = handles[src], counted[src]
-            elif graph.nodes[sched[j]].get("op_type") in LIST_OPS:
-                counted[j] = True
-                small += int(nbytes)
-            elif nbytes >= pooled:
+                handles[j] = handles[src]
+            elif is_pooled[j]:
                 handles[j] = pool.allocate(int(nbytes))
-            elif count_unpooled:
-                small += int(nbytes)
-            peak = max(peak, pool.in_use + unpooled + small)
+            elif counted[j]:
+                apart += int(nbytes)
+            peak = max(peak, pool.in_use + unpooled + apart)
             for i in frees_at.get(j, ()):
-                if handles[i] is not None:
+                if is_pooled[i]:
                     pool.free(handles[i])
                     handles[i] = None
                 elif counted[i]:
-                    small -= int(sizes[i])
-        if counts:
-            peaks.append(peak + int(outside_bytes))
+                    apart -= int(sizes[i])
+        peaks.append(peak + int(outside_bytes))
     return AllocatorReport(
         peak_bytes=max(peaks),
         step_peaks=tuple(peaks),
