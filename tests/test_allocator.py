@@ -1,6 +1,7 @@
 """The allocator model follows BFC's rules (hand-checked cases + properties)."""
 
 import math
+import os
 
 import networkx as nx
 import pytest
@@ -147,3 +148,54 @@ def test_a_loops_lists_count_at_their_size_outside_the_pool():
     report = allocator_peak(g, ["loop", "grad"], smallest_pooled=256 * 1024, count_unpooled=False)
     assert report.peak_bytes == 4 * MIB  # 3 MiB counted as is, 1 MiB split from a 2 MiB region
     assert report.region_bytes == (2 * MIB,)
+
+
+def _held_to_the_end(sizes):
+    """A chain of tensors of ``sizes`` bytes, every one read by a last op."""
+    g = nx.DiGraph()
+    for i, b in enumerate(sizes):
+        g.add_node(i, bytes=b, cost=1.0)
+        if i:
+            g.add_edge(i - 1, i)
+    g.add_node("end", bytes=0, cost=1.0)
+    g.add_edges_from((i, "end") for i in range(len(sizes)))
+    return g, list(range(len(sizes))) + ["end"]
+
+
+@pytest.mark.parametrize("counted,models", [(0, ["pooled"]), (256 * 1024, ["pooled", "onednn"]),
+                                            (None, ["pooled", "onednn"])])
+def test_plans_are_checked_against_the_model_of_the_allocator_in_use(counted, models):
+    from tfremat.api import RematFunction
+    from tfremat.graph import StepGraph
+
+    pytest.importorskip("tensorflow")  # the step's device is asked of TensorFlow
+    g, order = _held_to_the_end([64 * 1024, 3 * MIB, 300 * 1024, 3 * MIB])
+    variants = {
+        "pooled": allocator_peak(g, order).peak_bytes,
+        # oneDNN's: the 64 KiB tensor is served apart and not counted, and the 3 MiB
+        # ones find no small chunks to sit beside: 8 MiB of regions given whole
+        "onednn": allocator_peak(g, order, smallest_pooled=256 * 1024, count_unpooled=False).peak_bytes,
+    }
+    assert variants["onednn"] > variants["pooled"]  # the case tells the two apart
+    fn = RematFunction(lambda: None, 64 * MIB, "auto", 0.05, True)
+    fn._counted_from = {"CPU:0": counted, "GPU:0": counted}  # as if measured so
+    sg = StepGraph(graph=g, fixed_bytes=0, variable_bytes=0, argument_bytes=0, constant_bytes=0)
+    assert fn._allocator_estimate(sg, order, 0) == max(variants[m] for m in models)
+
+
+def test_the_allocator_in_use_is_told_apart_by_measurement():
+    import subprocess
+    import sys
+
+    pytest.importorskip("tensorflow")
+    code = "from tfremat.api import _smallest_counted; print(_smallest_counted('CPU:0'))"
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("TF_CPU_", "TF_ENABLE_ONEDNN"))}
+    cases = [
+        (dict(TF_CPU_ALLOCATOR_USE_BFC="true"), "0"),  # BFC for every request
+        (dict(TF_ENABLE_ONEDNN_OPTS="1"), str(256 * 1024)),  # oneDNN's: small requests apart
+        (dict(TF_ENABLE_ONEDNN_OPTS="0"), "None"),  # the default without oneDNN: no statistics
+    ]
+    for env, want in cases:
+        out = subprocess.run([sys.executable, "-c", code], env={**base, **env, "TF_CPP_MIN_LOG_LEVEL": "3"},
+                             capture_output=True, text=True, timeout=300)
+        assert out.stdout.strip().splitlines()[-1:] == [want], (env, out.stdout, out.stderr[-2000:])

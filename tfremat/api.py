@@ -98,6 +98,7 @@ class RematFunction:
         self._tf_fn = None
         self._unconverted_call = None
         self._warned_unmeasured = False
+        self._counted_from: dict = {}  # device -> _smallest_counted(device)
         # Measure kernel scratch space per op signature while planning (tfremat.scratch).
         self.measure_scratch = True
         functools.update_wrapper(self, fn)
@@ -505,30 +506,72 @@ class RematFunction:
     def _allocator_estimate(self, sg, schedule, other: int) -> int:
         """The allocator peak predicted for ``schedule`` (of ``sg.planning_graph``).
 
-        Both CPU allocators TensorFlow may use, the larger: BFC for every request
-        (``TF_CPU_ALLOCATOR_USE_BFC=true``, GPUs) and the oneDNN default, which pools
-        requests from 256 KiB up and leaves smaller ones out of its statistics. The
-        pool's layout depends on the process's history, so neither is exact: on
-        eight test models the larger of the two was at or above the measured later
-        calls on seven (1.6 MiB under on the eighth), where the tensors' bytes alone
-        were up to 13 MiB under.
+        The pool model (:mod:`tfremat.allocator`) of the allocator the step's device
+        uses, told apart by measurement (:func:`_smallest_counted`): BFC for every
+        request (``TF_CPU_ALLOCATOR_USE_BFC=true``, GPUs), or the oneDNN CPU
+        default, which pools requests from 256 KiB up and leaves smaller ones out of
+        its statistics. For the oneDNN default, and where the allocator reports
+        nothing, the larger of the two models: the oneDNN model alone was under the
+        measured later calls of the mixed-precision CNN test model (46.8 MiB for
+        54.75-56.75), the every-request one over them (57.4). Under
+        ``TF_CPU_ALLOCATOR_USE_BFC`` the oneDNN model describes an allocator that
+        is not there: on the ``make demo`` MLP it predicted 79.0 MiB for a plan
+        the pooled model put at 71.8 and that measured 69.7. The pool's layout
+        depends on the process's history, so neither model is exact (docs/design.md).
         """
         from .allocator import allocator_peak
 
         resident = [int(b) for b in sg.variable_sizes]
         outside = max(0, sg.fixed_bytes + other - sum(resident))
+        counted = self._smallest_counted()
         variants = [dict(smallest_pooled=0)]
-        if _step_device().startswith("CPU"):
-            variants.append(dict(smallest_pooled=_SMALLEST_COUNTED_ALLOCATION["CPU"], count_unpooled=False))
+        if counted != 0:  # not BFC for every request (or not known): oneDNN's too
+            variants.append(dict(smallest_pooled=_ONEDNN_SMALLEST_COUNTED, count_unpooled=False))
         return max(
             allocator_peak(sg.planning_graph, schedule, resident, outside, **kw).peak_bytes for kw in variants
         )
 
+    def _smallest_counted(self) -> int | None:
+        """:func:`_smallest_counted` for the step's device, measured once per device
+        (the allocator is chosen when TensorFlow starts)."""
+        device = _step_device()
+        if device not in self._counted_from:
+            self._counted_from[device] = _smallest_counted(device)
+        return self._counted_from[device]
 
-# Measured on TF 2.21's default CPU allocator: allocations under 256 KiB are not
-# counted in get_memory_info, so the step's small variables are not in "current".
-# GPU allocators (BFC) count every allocation.
-_SMALLEST_COUNTED_ALLOCATION = {"CPU": 256 * 1024, "GPU": 0}
+
+# Measured on TF 2.21's default CPU allocator with oneDNN: allocations under 256 KiB
+# are not counted in get_memory_info (a 200 KiB tensor leaves "current" as it was, a
+# 256 KiB one counts), so the step's small variables are not in "current".
+_ONEDNN_SMALLEST_COUNTED = 256 * 1024
+# The probe of :func:`_smallest_counted`: under the oneDNN default's threshold.
+_PROBE_BYTES = 64 * 1024
+
+
+def _smallest_counted(device: str) -> int | None:
+    """The smallest request ``device``'s allocator statistics count, measured.
+
+    0 where every request is counted: GPUs' BFC, and the CPU's with
+    ``TF_CPU_ALLOCATOR_USE_BFC=true``; 256 KiB for the CPU default with oneDNN,
+    which serves smaller requests apart and leaves them out; None where the
+    allocator reports no statistics (the CPU default without oneDNN). On CPU this
+    allocates one 64 KiB tensor and reads ``current`` around it, because the
+    allocator in use is chosen from the environment when TensorFlow starts and the
+    process cannot ask which it got.
+    """
+    if device.startswith("GPU"):
+        return 0
+    from ._tf import import_tf
+
+    tf = import_tf()
+    before = _allocator_memory_info(device)
+    if not before:
+        return None
+    with tf.device(device):
+        probe = tf.fill([_PROBE_BYTES // 4], 1.0)
+    grew = _allocator_current_bytes(device) - before.get("current", 0)
+    del probe
+    return 0 if grew >= _PROBE_BYTES else _ONEDNN_SMALLEST_COUNTED
 
 
 def _warn_user(message: str) -> None:
@@ -573,7 +616,7 @@ def _other_live_bytes(step_graph, tensors) -> int:
     current = _allocator_current_bytes(device)
     if current <= 0:
         return 0
-    smallest = _SMALLEST_COUNTED_ALLOCATION[device.split(":")[0]]
+    smallest = _smallest_counted(device) or 0
     own = sum(b for b in step_graph.variable_sizes if b >= smallest)
     for t in tensors:
         try:
