@@ -138,24 +138,3 @@ def test_a_repeated_computation_is_one_buffer_held_until_its_last_reader(attrs, 
     assert live_at_t == (3 if merged else 2) * MIB
     if not merged:
         assert "twin_of" not in g.nodes["s2"] and g.nodes["s2"]["bytes"] == MIB
-
-
-def test_each_output_of_an_identity_n_keeps_its_own_input_alive():
-    """Keras passes every gradient through one IdentityN before the updates: the
-    reader of output i holds input i's buffer, not input 0's."""
-    recs = [
-        _op("x", "Placeholder", out=[_t(MIB)]),
-        _op("g0", "Neg", ["x:0"], [_t(1024)]),
-        _op("g1", "Neg", ["x:0"], [_t(MIB)]),
-        _op("ids", "IdentityN", ["g0:0", "g1:0"], [_t(1024), _t(MIB)]),
-        _op("u0", "Neg", ["ids:0"], [_t(1024)]),
-        _op("w", "Neg", ["x:0"], [_t(2 * MIB)]),  # runs between the IdentityN and u1
-        _op("u1", "Neg", ["ids:1"], [_t(MIB)]),
-        _op("u1_again", "Identity", ["ids:1"], [_t(MIB)]),
-    ]
-    g = build_graph(recs, ["x"]).graph
-    assert g.has_edge("g0", "u0") and g.has_edge("g1", "u1") and g.has_edge("g1", "u1_again")
-    assert not g.has_edge("g0", "u1") and not g.has_edge("g1", "u0")
-    order = ["x", "g0", "g1", "ids", "u0", "w", "u1", "u1_again"]
-    # while w runs, g1 (1 MiB) waits for u1; g0 (1 KiB) is done with
-    assert simulate(g, order).memory[order.index("w")] == 2 * MIB + MIB

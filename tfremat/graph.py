@@ -376,34 +376,29 @@ def build_graph(
 
     # An aliasing op's consumers keep its source buffer alive: add liveness edges
     # from the buffer's owner (the first non-aliasing producer) to those consumers.
-    # Output i of an IdentityN forwards its input i (Keras passes every gradient
-    # through one IdentityN before the optimizer's updates): following input 0 for
-    # all of them kept the first gradient alive until the last update and let the
-    # others go when the IdentityN ran.
-    def owner(name: str, index: int = 0) -> str:
+    def owner(name: str) -> str:
         seen = set()
-        while g.nodes[name]["alias"] and (name, index) not in seen:
-            seen.add((name, index))
+        while g.nodes[name]["alias"] and name not in seen:
+            seen.add(name)
             if name in twin_of:
                 name = twin_of[name]
                 continue
             rec = by_name[name]
             if not rec.inputs:
                 break
-            t = rec.inputs[index if rec.op_type == "IdentityN" and index < len(rec.inputs) else 0]
-            name, index = producer(t), output_index(t)
+            name = producer(rec.inputs[0])
         return name
 
     for r in records:
         if g.nodes[r.name]["alias"] and r.inputs:
+            root = owner(r.name)
+            if root == r.name:
+                continue
             for c in list(g.successors(r.name)):
                 if g.edges[r.name, c]["kind"] == "control":
                     continue
-                reader = by_name.get(c)
-                read = [output_index(t) for t in reader.inputs if producer(t) == r.name] if reader else []
-                for root in {owner(r.name, k) for k in read or [0]}:
-                    if root != r.name and c != root and not g.has_edge(root, c):
-                        g.add_edge(root, c, kind="liveness")
+                if c != root and not g.has_edge(root, c):
+                    g.add_edge(root, c, kind="liveness")
 
     # Program order, except where control edges added after creation (automatic
     # control dependencies) demand otherwise.
