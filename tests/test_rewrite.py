@@ -115,6 +115,27 @@ def test_a_recomputed_swish_product_never_reads_a_sigmoid_of_an_older_input():
 
 
 
+def test_a_recomputed_bias_add_gets_its_own_convolution_copy():
+    """The remapper fuses a convolution with its only consumer, a BiasAdd. A plan
+    that recomputed the BiasAdd twice from one copy of the convolution gave the copy
+    two consumers, the pair ran unfused, and the mixed_bfloat16 CNN of
+    benchmarks/keras_sweep.py variants (102 ops recomputed) differed by 2.1e-3 after
+    3 steps. Each recomputed BiasAdd now reads a convolution copy of its own."""
+    from tfremat.rewrite import _with_fused_producers
+
+    @tf.function
+    def f(x, k, b):
+        return tf.reduce_sum(tf.nn.relu(tf.nn.bias_add(tf.nn.conv2d(x, k, 1, "SAME"), b)))
+
+    gd, g, ops, order = _traced(f, tf.ones((2, 8, 8, 3)), tf.ones((3, 3, 3, 4)), tf.ones((4,)))
+    conv, bias = only(ops, "Conv2D"), only(ops, "BiasAdd")
+    assert _with_fused_producers(order + [conv, bias, bias], gd, g) == order + [conv, bias, conv, bias]
+    # a copy reading the original convolution would be its second consumer too
+    assert _with_fused_producers(order + [bias], gd, g) == order + [conv, bias]
+    # its own copy already: nothing added
+    assert _with_fused_producers(order + [conv, bias], gd, g) == order + [conv, bias]
+
+
 def test_a_fused_cone_stops_at_a_convolution():
     """Keras' Swish ``x * sigmoid(beta * x)`` rebuilds [beta * x, sigmoid]; a ReLU
     after a first-layer convolution rebuilds nothing (the cone would reach the
@@ -525,3 +546,33 @@ def test_fanout_dummies_skip_the_ordering_gate_in_front_of_a_copy():
     assert [n.name for n in new.node if n.name.startswith(copy.name + COPY_SEP + "_fanout")]
     with tf.Graph().as_default():
         tf.graph_util.import_graph_def(new, name="")  # raised on a dtype mismatch
+
+
+def test_a_merged_twin_is_no_consumer_of_the_product_it_reads():
+    """Keras' SGD with Nesterov momentum computes ``g * lr`` twice. The rewrite binds
+    the second product's readers to the first (CSE twins), so the runtime prunes the
+    second before Grappler runs and ``g`` has one consumer there, a product the
+    arithmetic optimizer merges ``g`` with. Counted with both, ``g`` (a BatchNorm
+    scale's gradient, ``AddN * Rsqrt``) drove the next big allocation's ordering edge
+    and was not merged: three variables differed by 2.3e-10 after 3 steps
+    (benchmarks/keras_sweep.py opt_sgd_nesterov, bisected by trigger op type). The
+    edge now comes from an op ``g`` reads."""
+    from tfremat.rewrite import rewrite_graph_def
+
+    @tf.function
+    def f(x, y, lr):
+        g = tf.exp(y) * tf.cos(y)
+        a = tf.sin(x)  # the next big allocation, after g in the schedule
+        return g * lr - 1.0, g * lr + 2.0, a
+
+    traced = trace(f, (tf.ones((64, 64)), tf.ones((64, 64)), tf.constant(0.1)), {})
+    g = build_graph(traced.records, traced.arg_placeholders).graph
+    ops = {n.name: n.op for n in traced.graph_def.node}
+    by_name = {n.name: n for n in traced.graph_def.node}
+    (prod,) = [v for v, op in ops.items() if op == "Mul" and ops[by_name[v].input[0]] == "Exp"]
+    assert [d["twin_of"] for _, d in g.nodes(data=True) if d.get("twin_of")], "the two g * lr are twins"
+    gd, _ = rewrite_graph_def(traced.graph_def, list(g.graph["order"]), g, traced.dtypes, strict=True)
+    nodes = {n.name: n for n in gd.node}
+    sin = only(ops, "Sin")
+    waits = _waits(nodes, sin)
+    assert waits and "^" + prod not in waits, waits

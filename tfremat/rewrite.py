@@ -46,6 +46,15 @@ class RewriteInfo:
     floating: int = 0  # big allocations left free of the serial order (``limit_bytes``)
 
 
+# A BiasAdd recomputed twice from one copy of its convolution gave the copy two
+# consumers, so the remapper did not fuse the pair, and the unfused pair computes
+# another bfloat16 result than the fused kernel of the original step: the mixed_bfloat16
+# CNN of benchmarks/keras_sweep.py variants at 31.2 MiB (102 ops recomputed) differed
+# by 2.1e-3 after 3 steps (bisected to the ordering gates of BiasAdd targets, the
+# gate sat on the two-consumer convolution copy). Such a BiasAdd gets its
+# contraction recomputed right before it (_with_fused_producers).
+_CONTRACTIONS = frozenset({"Conv2D", "Conv3D", "DepthwiseConv2dNative", "MatMul"})
+_FUSED_AFTER_CONTRACTION = frozenset({"BiasAdd"})
 # Ops a fused_cone may rebuild: cheap, elementwise, the size of their output.
 _ELEMENTWISE = frozenset({
     "Mul", "AddV2", "Add", "Sub", "Neg", "Sigmoid", "Tanh", "Exp", "Erf", "Erfc", "Relu",
@@ -127,11 +136,27 @@ def _with_fused_producers(schedule: Sequence[Hashable], graph_def, graph: nx.DiG
 
     last: dict = {}  # node -> position of its latest computation in ``out``
     first_run: dict = {}  # node -> position of its original computation
+    def contraction(v):
+        """The convolution or matrix product the remapper fuses ``v`` (a BiasAdd) with,
+        when ``v`` is its only consumer."""
+        if by_name[v].op not in _FUSED_AFTER_CONTRACTION or not data_in.get(v):
+            return None
+        u = data_in[v][0]
+        if recomputable(u) and by_name[u].op in _CONTRACTIONS and consumers.get(u) == {v}:
+            return u
+        return None
+
     out: list = []
     for v in schedule:
         if v in last:
             cone = fused_cone(v)
-            if any(last[u] == first_run[u] or any(last.get(x, -1) > last[u] for x in data_in[u])
+            c = contraction(v)
+            if c is not None:
+                cone = [c] + [u for u in cone if u != c]
+            # (``last[u] < last[v]``: u's latest computation is read by an earlier one of
+            # v already, and a second reader would break the pair's fusion)
+            if any(last[u] == first_run[u] or last[u] < last[v]
+                   or any(last.get(x, -1) > last[u] for x in data_in[u])
                    for u in cone):
                 for u in cone:
                     last[u] = len(out)
@@ -522,7 +547,8 @@ def rewrite_graph_def(
                 if producer_of in graph
             ):
                 freeing.append(node.name)
-    _anchor_ordering_edges(new, graph_def, set(gates.values()), dtypes, position, _cse_twins(graph_def, graph))
+    _anchor_ordering_edges(new, graph_def, set(gates.values()), dtypes, position, _cse_twins(graph_def, graph),
+                           merged=set(twin))
     _restore_fanout(new, graph_def, dtypes, twin)
     return new, RewriteInfo(copies=n_copies, gates=len(gates), rewired_inputs=n_rewired, floating=n_floating)
 
@@ -678,7 +704,8 @@ def _cse_twins(graph_def, graph: nx.DiGraph) -> set:
     return {name for ms in members.values() if len(ms) > 1 for name in ms}
 
 
-def _anchor_ordering_edges(new, graph_def, gate_names, dtypes, position, twins=frozenset()) -> None:
+def _anchor_ordering_edges(new, graph_def, gate_names, dtypes, position, twins=frozenset(),
+                           merged=frozenset()) -> None:
     """Re-seat every ordering control edge where Grappler does not see it (in place).
 
     Measured (docs/design.md): Grappler skips a float rewrite when an op involved has
@@ -706,8 +733,21 @@ def _anchor_ordering_edges(new, graph_def, gate_names, dtypes, position, twins=f
 
     An op with a common-subexpression twin (``twins``, see :func:`_cse_twins`) gets
     no ordering edge: either would keep Grappler from merging the two.
+
+    ``merged``: the later twins, whose readers the rewrite bound to the first twin.
+    Nothing reads them, so the runtime prunes them before Grappler runs (and in the
+    original step CSE merges them), and Grappler counts neither as a consumer of
+    their inputs: neither does any rule here. Found on the SGD-with-Nesterov CNN
+    (``benchmarks/keras_sweep.py variants``): Keras computes ``g * lr`` twice, so
+    each BatchNorm scale's gradient ``AddN * Rsqrt`` looked like a tensor with two
+    consumers, not a product the arithmetic optimizer merges with ``* lr``; it
+    drove chain gates' control edges, which kept the optimizer from merging it, and
+    three variables differed by 2.3e-10 after 3 steps (bisected by trigger op type).
     """
     nodes = {n.name: n for n in new.node}
+    # (a merged twin still read by anything is not pruned: it counts)
+    read = {_split(i.lstrip("^"))[0] for n in new.node for i in n.input}
+    pruned = {t for t in merged if t in nodes and t not in read}
     orig_ctrl = {n.name: {i for i in n.input if i.startswith("^")} for n in graph_def.node}
     # Ordering edges added by the rewrite: (target, source).
     edges = []
@@ -726,6 +766,8 @@ def _anchor_ordering_edges(new, graph_def, gate_names, dtypes, position, twins=f
     # Data graph of the rewritten step: consumers and ancestor bitsets.
     consumers: dict = {}
     for n in new.node:
+        if n.name in pruned:
+            continue
         for i in n.input:
             if not i.startswith("^"):
                 consumers.setdefault(_split(i)[0], []).append(n.name)
@@ -765,6 +807,8 @@ def _anchor_ordering_edges(new, graph_def, gate_names, dtypes, position, twins=f
 
     tensor_consumers: dict = {}
     for n in new.node:
+        if n.name in pruned:
+            continue
         for i in n.input:
             if not i.startswith("^"):
                 p, idx = _split(i)
