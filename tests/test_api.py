@@ -328,7 +328,7 @@ def test_replans_when_memory_outside_the_step_grew_during_the_first_call(monkeyp
     grown = int(0.15 * (probe.baseline_peak_bytes - probe.fixed_bytes))
     calls = []
 
-    def fake_other(step_graph, flat):
+    def fake_other(step_graph, flat, smallest):
         calls.append(1)
         return 0 if len(calls) == 1 else grown  # planning, then the check after call 1
 

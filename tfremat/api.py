@@ -301,7 +301,7 @@ class RematFunction:
             entry.replanned = True
             # The outputs the caller now holds are the step's own too.
             outputs = [t for t in tf.nest.flatten(out, expand_composites=True) if isinstance(t, tf.Tensor)]
-            now = _other_live_bytes(entry.step_graph, list(flat) + outputs)
+            now = _other_live_bytes(entry.step_graph, list(flat) + outputs, self._smallest_counted() or 0)
             if now > entry.other_bytes + max(2**20, self.budget_bytes // 100):
                 other = now
         allowance = entry.allowance
@@ -389,7 +389,8 @@ class RematFunction:
         # The step's own fixed memory, counted from the graph (variables, arguments,
         # constants including the splats Grappler folds into constants), plus the
         # memory the rest of the process holds now (another model, cached tensors).
-        other = _other_live_bytes(sg, flat_tensor_args(traced.python_function, args, kwargs))
+        other = _other_live_bytes(sg, flat_tensor_args(traced.python_function, args, kwargs),
+                                  self._smallest_counted() or 0)
         plan = self._solve(sg, other)
         fn, info = self._emit_plan(traced, sg, plan)
         return _Entry(traced=traced, step_graph=sg, plan=plan, fn=fn, rewrite_info=info, other_bytes=other)
@@ -599,10 +600,11 @@ def _step_device() -> str:
         return "CPU:0"
 
 
-def _other_live_bytes(step_graph, tensors) -> int:
+def _other_live_bytes(step_graph, tensors, smallest: int) -> int:
     """Bytes the allocator holds now beyond the step's variables and ``tensors``.
 
-    ``tensors``: the step's arguments (and, after a call, its outputs).
+    ``tensors``: the step's arguments (and, after a call, its outputs); ``smallest``:
+    the smallest allocation the allocator's statistics count (:func:`_smallest_counted`).
 
     The graph counts the step's variables, arguments and constants itself
     (``StepGraph.fixed_bytes``); the allocator's ``current`` also holds whatever else
@@ -616,7 +618,6 @@ def _other_live_bytes(step_graph, tensors) -> int:
     current = _allocator_current_bytes(device)
     if current <= 0:
         return 0
-    smallest = _smallest_counted(device) or 0
     own = sum(b for b in step_graph.variable_sizes if b >= smallest)
     for t in tensors:
         try:
