@@ -136,6 +136,7 @@ def _with_fused_producers(schedule: Sequence[Hashable], graph_def, graph: nx.DiG
 
     last: dict = {}  # node -> position of its latest computation in ``out``
     first_run: dict = {}  # node -> position of its original computation
+
     def contraction(v):
         """The convolution or matrix product the remapper fuses ``v`` (a BiasAdd) with,
         when ``v`` is its only consumer."""
