@@ -366,7 +366,7 @@ def rewrite_graph_def(
         candidates.sort(key=lambda t: early.get(latest.get(t, t), floor) < floor)
         triggers: list[str] = []
         for t in candidates:
-            if not risky(t):
+            if not risky(t) and not fused_later(t):
                 triggers.append(t)
                 break
         # Barrier: also wait for every op the schedule ran since the previous chain
@@ -384,7 +384,7 @@ def rewrite_graph_def(
                 break
             if u in triggers or any(w in in_window for w in graph.successors(u)):
                 continue
-            if not risky(u):
+            if not risky(u) and not fused_later(u):
                 triggers.append(u)
         return triggers
 
@@ -394,23 +394,49 @@ def rewrite_graph_def(
     def consumed_by_now(u: str) -> bool:
         return all(c in pos_of_original for c in data_consumers.get(_copy_base(u) or u, ()))
 
+    # Each op oneDNN may fuse with a sibling (costs.FUSED_WITH_SIBLING), with the
+    # siblings it may be fused with, and (lazily) its descendants.
+    fusable: dict = {}
+    for name, n in originals.items():
+        if n.op in FUSED_WITH_SIBLING:
+            sibs = {
+                sib
+                for inp in n.input
+                if not inp.startswith("^")
+                for sib in data_consumers.get(_split(inp)[0], ())
+                if sib != name and originals[sib].op in FUSED_WITH_SIBLING
+            }
+            if sibs:
+                fusable[name] = sibs
+    below: dict = {}
+    step_graph = nx.DiGraph()
+    step_graph.add_nodes_from(originals)
+    step_graph.add_edges_from(
+        (_split(i.lstrip("^"))[0], name) for name, n in originals.items() for i in n.input
+    )
+
     def fused_later(u: str) -> bool:
-        """Whether ``u`` may be fused with a sibling the schedule has not run yet.
+        """Whether ``u`` is, or depends on, an op that may be fused with a sibling the
+        schedule has not run yet.
 
         The fused node runs when the sibling does, so an op waiting on ``u`` may be an
         ancestor of the fused node: a cycle (measured: a recomputed residual input of
         a convolution waited on that convolution's BiasAddGrad, which oneDNN then
-        fused with the Conv2DBackpropFilter that reads the recomputed input).
+        fused with the Conv2DBackpropFilter that reads the recomputed input). The
+        same holds for what the fusable op feeds: with each gradient applied when it
+        exists (``graph._updates_of``), a chain of copies waited on a bias's
+        ``AssignSubVariableOp``, fed by the BiasAddGrad that oneDNN fused with the
+        Conv2DBackpropFilter reading the chain (the residual CNN test model at 60 %).
         """
-        src = originals.get(u)
-        if src is None or src.op not in FUSED_WITH_SIBLING:
-            return False
-        for inp in src.input:
-            if inp.startswith("^"):
+        for f, sibs in fusable.items():
+            if f not in pos_of_original or all(s in pos_of_original for s in sibs):
                 continue
-            for sib in data_consumers.get(_split(inp)[0], ()):
-                if sib != u and originals[sib].op in FUSED_WITH_SIBLING and sib not in pos_of_original:
-                    return True
+            if u == f:
+                return True
+            if f not in below:  # through control edges too: Adam reads m after its assign
+                below[f] = nx.descendants(step_graph, f)
+            if u in below[f]:
+                return True
         return False
 
     gates: dict = {}
