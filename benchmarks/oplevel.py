@@ -72,7 +72,7 @@ def cmd_trace(args):
     traced = trace(step, (x, y))
     t_trace = time.perf_counter() - t
     t = time.perf_counter()
-    sg = build_graph(traced.records, traced.arg_placeholders)
+    sg = build_graph(traced.records, traced.arg_placeholders, traced.handle_bytes, traced.gradients)
     t_graph = time.perf_counter() - t
     g = sg.graph
     ref = reference_simulation(g, sg.fixed_bytes)

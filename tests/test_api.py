@@ -193,7 +193,7 @@ def test_a_variable_used_only_inside_a_branch_counts_as_fixed_memory():
     from tfremat.trace import trace
 
     traced = trace(step, (tf.ones((8, 64)), tf.constant(True)))
-    sg = build_graph(traced.records, traced.arg_placeholders, traced.handle_bytes)
+    sg = build_graph(traced.records, traced.arg_placeholders, traced.handle_bytes, traced.gradients)
     # (The allocator's "current" would hide a miss in the API: an uncounted variable
     # passes for memory held outside the step; a variable created later would not.)
     assert sorted(sg.variable_sizes) == [64 * 64 * 4, 256 * 1024 * 4]

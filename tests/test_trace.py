@@ -165,3 +165,75 @@ def test_dead_ops_are_dropped_as_the_runtime_drops_them():
     assert "Square" not in ops and "Mul" not in ops
     assert {"Sin", "AssignAddVariableOp"} <= ops
     assert set(traced.arg_placeholders) <= names and len(traced.arg_placeholders) == 2
+
+
+def test_an_optimizers_identity_n_is_bypassed_as_grappler_does_and_the_step_is_unchanged():
+    """Keras' optimizers pass every gradient through one IdentityN; Grappler removes
+    it, so the trace reads the gradients directly and names them for the planner."""
+    import numpy as np
+
+    from tf_models import make_data, make_step
+    from tfremat.emit import emit
+    from tfremat.trace import flat_tensor_args
+
+    tf.config.experimental.enable_op_determinism()
+    x, y = make_data("mlp", batch=64, width=32)
+    ref_model, ref_step = make_step("mlp", "adam", layers=3, width=32)
+    ref = [float(ref_step(x, y)) for _ in range(3)]
+    model, step = make_step("mlp", "adam", layers=3, width=32)
+    assert any(op.type == "IdentityN" for op in step.get_concrete_function(x, y).graph.get_operations())
+    traced = trace(step, (x, y))
+    assert not any(r.op_type == "IdentityN" for r in traced.records)
+    assert not any(n.op == "IdentityN" for n in traced.graph_def.node)
+    # each gradient once (Keras passes them twice)
+    assert len(traced.gradients) == len(model.trainable_variables)
+    fn = emit(traced, traced.graph_def)
+    flat = flat_tensor_args(traced.python_function, (x, y), {})
+    assert [float(fn(*flat)) for _ in range(3)] == ref
+    for a, b in zip(model.variables, ref_model.variables):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+
+def test_an_identity_n_a_reader_waits_on_is_kept():
+    """Grappler keeps an IdentityN with a control output (bypassing it would add
+    control edges), and so does the trace."""
+    v = tf.Variable(tf.zeros((4, 4)))
+
+    @tf.function
+    def step(x):
+        a, b = tf.identity_n([x * 2.0, x * 3.0])
+        with tf.control_dependencies([a]):
+            c = b + 1.0
+        v.assign_add(a)
+        v.assign_add(c)
+        return x + 0.0
+
+    traced = trace(step, (tf.ones((4, 4)),))
+    assert [r.op_type for r in traced.records].count("IdentityN") == 1
+    assert traced.gradients == ()
+
+
+def test_an_identity_n_outside_the_optimizer_is_kept():
+    """Only an IdentityN whose readers feed variable writes alone is bypassed: one in
+    the forward pass (``tf.custom_gradient`` writes them) stays as it was traced."""
+    v = tf.Variable(tf.zeros((4, 4)))
+
+    @tf.function
+    def step(x):
+        a, b = tf.identity_n([x * 2.0, x * 3.0])
+        v.assign_add(a)
+        return a + b
+
+    traced = trace(step, (tf.ones((4, 4)),))
+    assert [r.op_type for r in traced.records].count("IdentityN") == 1
+
+    @tf.function
+    def update(x):
+        a, b = tf.identity_n([x * 2.0, x * 3.0])
+        v.assign_add(a)
+        v.assign_add(b)
+        return x + 0.0
+
+    traced = trace(update, (tf.ones((4, 4)),))
+    assert [r.op_type for r in traced.records].count("IdentityN") == 0
+    assert len(traced.gradients) == 2

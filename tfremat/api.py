@@ -381,7 +381,7 @@ class RematFunction:
         from .trace import flat_tensor_args, trace
 
         traced = trace(self._tf_function(), args, kwargs)
-        sg = build_graph(traced.records, traced.arg_placeholders, traced.handle_bytes)
+        sg = build_graph(traced.records, traced.arg_placeholders, traced.handle_bytes, traced.gradients)
         if self.measure_scratch:
             from .scratch import measure_scratch
 
