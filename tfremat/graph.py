@@ -96,8 +96,9 @@ def _updates_of(g: nx.DiGraph, gradients, writes: set) -> set:
     ``make demo`` MLP (SGD): tensors, pool model and measured peak within 0.3 MiB at
     targets of 50-75 MiB, where the pool model in program order was 25 MiB over.
     """
+    topo = list(nx.topological_sort(g))
     feeds: set = set(writes)  # every consumer (data or liveness) is in the set
-    for v in reversed(list(nx.topological_sort(g))):
+    for v in reversed(topo):
         succ = [c for c in g.successors(v) if g.edges[v, c]["kind"] != "control"]
         if v not in feeds and succ and all(c in feeds for c in succ):
             feeds.add(v)
@@ -113,14 +114,16 @@ def _updates_of(g: nx.DiGraph, gradients, writes: set) -> set:
         return updates
     # the small values computed from variables and constants alone that they read
     static: set = set()
-    for v in nx.topological_sort(g):
+    for v in topo:
         preds = [u for u in g.predecessors(v) if g.edges[u, v]["kind"] != "control"]
         if g.nodes[v].get("op_type") in _STATIC_OPS or (preds and all(u in static for u in preds)):
             static.add(v)
     small = max((g.nodes[v]["bytes"] for v in g.nodes), default=0) // 64
     candidates = {v for v in feeds & static if g.nodes[v]["bytes"] < small}
     read: set = set()
-    for v in reversed(list(nx.topological_sort(g.subgraph(candidates)))):
+    for v in reversed(topo):
+        if v not in candidates:
+            continue
         if any(c in updates or c in read for c in g.successors(v) if g.edges[v, c]["kind"] != "control"):
             read.add(v)
     return updates | read

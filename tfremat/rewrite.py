@@ -409,11 +409,7 @@ def rewrite_graph_def(
             if sibs:
                 fusable[name] = sibs
     below: dict = {}
-    step_graph = nx.DiGraph()
-    step_graph.add_nodes_from(originals)
-    step_graph.add_edges_from(
-        (_split(i.lstrip("^"))[0], name) for name, n in originals.items() for i in n.input
-    )
+    step_graph = nx.DiGraph()  # the GraphDef's data and control edges, once needed
 
     def fused_later(u: str) -> bool:
         """Whether ``u`` is, or depends on, an op that may be fused with a sibling the
@@ -434,6 +430,11 @@ def rewrite_graph_def(
             if u == f:
                 return True
             if f not in below:  # through control edges too: Adam reads m after its assign
+                if not step_graph:
+                    step_graph.add_nodes_from(originals)
+                    step_graph.add_edges_from(
+                        (_split(i.lstrip("^"))[0], name) for name, n in originals.items() for i in n.input
+                    )
                 below[f] = nx.descendants(step_graph, f)
             if u in below[f]:
                 return True

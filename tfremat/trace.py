@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 from ._tf import import_tf
 from .errors import UnknownShapeError, UnsupportedGraphError
-from .graph import OpRecord, TensorInfo, is_variable_write
+from .graph import OpRecord, TensorInfo, is_variable_write, producer
 
 # Shape-arithmetic ops whose int outputs may have an unknown length: at most a few
 # elements per rank, so they are counted as 0 bytes instead of refusing the graph.
@@ -348,11 +348,11 @@ def _bypass_identity_n(records: list, graph_def, output_names) -> tuple[list, tu
     """
     by_name = {r.name: r for r in records}
     nodes = {n.name: n for n in graph_def.node}
-    outputs = {t.rsplit(":", 1)[0] for t in output_names}
+    outputs = {producer(t) for t in output_names}
     readers: dict = {}
     for r in records:
         for t in r.inputs:
-            readers.setdefault(t.rsplit(":", 1)[0], []).append(r)
+            readers.setdefault(producer(t), []).append(r)
     waited_on = {c for r in records for c in r.control_inputs}
     # The optimizer's: every reader of it feeds variable writes only. A custom
     # gradient's IdentityN in the forward pass is left to Grappler (dropped here too,
@@ -368,15 +368,15 @@ def _bypass_identity_n(records: list, graph_def, output_names) -> tuple[list, tu
             continue
         if r.name in outputs or r.name in waited_on or r.name not in nodes or r.name not in feeds:
             continue
-        first = by_name.get(r.inputs[0].rsplit(":", 1)[0])
+        first = by_name.get(producer(r.inputs[0]))
         if first is None or first.op_type in _KEEP_IDENTITY_AFTER:
             continue
         rs = readers.get(r.name, [])
-        refs = sum(1 for c in rs for t in c.inputs if t.rsplit(":", 1)[0] == r.name)
+        refs = sum(1 for c in rs for t in c.inputs if producer(t) == r.name)
         if refs > len({c.name for c in rs}) or any(c.op_type in ("Merge", "_Retval") for c in rs):
             continue
         device = nodes[r.name].device
-        near = [t.rsplit(":", 1)[0] for t in r.inputs] + [c.name for c in rs]
+        near = [producer(t) for t in r.inputs] + [c.name for c in rs]
         if any(n in nodes and nodes[n].device != device for n in near):
             continue
         bypass[r.name] = r
@@ -396,7 +396,7 @@ def _bypass_identity_n(records: list, graph_def, output_names) -> tuple[list, tu
     kept = [n for n in graph_def.node if n.name not in bypass]
     del graph_def.node[:]
     graph_def.node.extend(kept)
-    gradients = tuple(dict.fromkeys(t.rsplit(":", 1)[0] for r in bypass.values() for t in r.inputs))
+    gradients = tuple(dict.fromkeys(producer(t) for r in bypass.values() for t in r.inputs))
     records = [
         dataclasses.replace(r, inputs=tuple(forward(t) for t in r.inputs))
         for r in records
