@@ -79,6 +79,37 @@ NEVER_RECOMPUTE = frozenset(
     }
 )
 
+# Ops a while loop's body (and condition) may hold for the loop to be recomputed as
+# one op: pure kernels, and reads of the variables the loop is given (the
+# planning graph checks that no write of those variables can run before a copy).
+# Anything else (a write, stateful RNG, a nested call or loop) keeps the loop opaque.
+PURE_LOOP_OPS = frozenset(
+    INPLACE_OPS
+    | {
+        "MatMul", "BatchMatMulV2", "BiasAdd", "Split", "SplitV", "Squeeze", "StridedSlice",
+        "Identity", "Const", "NoOp", "Reshape", "ConcatV2", "Pack", "Unpack", "Slice",
+        "Transpose", "Fill", "ZerosLike", "OnesLike", "Shape", "Cast", "Select", "SelectV2",
+        "Less", "LessEqual", "Greater", "GreaterEqual", "Equal", "NotEqual", "LogicalAnd",
+        "LogicalOr", "LogicalNot", "ExpandDims", "Sum", "Mean", "Max", "Min", "Softmax",
+        "Tile", "GatherV2", "Range", "Square", "Einsum", "ReadVariableOp",
+        "TensorListGetItem", "TensorListSetItem", "TensorListPushBack", "TensorListPopBack",
+        "TensorListLength", "TensorListElementShape", "TensorListReserve", "TensorListStack",
+        "TensorListFromTensor", "EmptyTensorList",
+    }
+)
+
+
+def loop_cost(trips: int, rows: int, weight_elements: int, moved_elements: int) -> float:
+    """Estimated cost of one run of a recurrent loop (an RNN layer's ``while``).
+
+    Each iteration multiplies ``rows`` vectors by every weight the loop reads (two
+    FLOPs per weight per row: an LSTM cell's kernels), and the loop writes
+    ``moved_elements`` elements in all (its outputs and the accumulators it keeps for
+    the gradient), each charged ``ELEMENT_MOVE_COST`` as elementwise work is.
+    """
+    return float(max(2.0 * trips * rows * weight_elements, ELEMENT_MOVE_COST * moved_elements, 1.0))
+
+
 MATMUL_OPS = frozenset({"MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "_FusedMatMul"})
 CONV_OPS = frozenset({"Conv2D", "Conv3D", "DepthwiseConv2dNative", "_FusedConv2D", "Conv"})
 

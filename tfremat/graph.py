@@ -39,6 +39,9 @@ SHAPE_ONLY_OPS = frozenset({"Shape", "ShapeN", "Size", "Rank"})
 # fused siblings (see rewrite.py).
 ASAP_OPS = frozenset({"Add", "AddV2", "AddN", "Sub", "Mul", "Neg"}) | FUSED_WITH_SIBLING
 
+# Ops with a variant (TensorList) output that are pure and may be recomputed: an RNN
+# layer's input sequence unstacked into a list, which its loop reads step by step.
+RECOMPUTABLE_LIST_OPS = frozenset({"TensorListFromTensor"})
 WRITE_PREFIXES = ("Assign", "ResourceApply", "ResourceSparseApply", "ResourceScatter", "ResourceStridedSliceAssign")
 
 
@@ -68,6 +71,10 @@ class OpRecord:
     equation: str = ""  # Einsum's equation, for its FLOP estimate
     value_digest: str = ""  # Const ops: a digest of the value (equal constants merge)
     attr_digest: str = ""  # a digest of every attribute ("": unknown, never merged)
+    # a while loop's estimated cost (0: unknown), and whether it may be recomputed
+    # whole (trace._loop_cost; the planning graph also checks the variables it reads)
+    loop_cost: float = 0.0
+    pure_loop: bool = False
 
 
 _STATIC_OPS = frozenset({"Placeholder", "Const", "HostConst", "VarHandleOp", "ReadVariableOp"})
@@ -140,6 +147,35 @@ def output_index(tensor_name: str) -> int:
 
 def is_variable_write(op_type: str) -> bool:
     return op_type.startswith(WRITE_PREFIXES)
+
+
+def _loop_writers(g: nx.DiGraph, records, by_name: dict) -> None:
+    """Record, on each recomputable pure loop (``OpRecord.pure_loop``), the ops that
+    may write a variable it reads (``writers``).
+
+    A copy of the loop reads the variables again, so it must run before any of them:
+    the simulator rejects a schedule with a copy after one (``simulate``), and the
+    rewrite makes each of them wait for every copy (``rewrite``). Any op given one of
+    the loop's handles counts, except reads and other pure loops.
+    """
+    for r in records:
+        if not r.pure_loop or not g.nodes[r.name]["recomputable"]:
+            continue
+        writers = set()
+        for t in r.inputs:
+            rec = by_name.get(producer(t))
+            info = rec.outputs[output_index(t)] if rec and output_index(t) < len(rec.outputs) else None
+            if info is None or info.dtype != "resource":
+                continue
+            for w in g.successors(rec.name):
+                wr = by_name.get(w)
+                if w != r.name and wr is not None and not (wr.op_type in _READS or wr.pure_loop):
+                    writers.add(w)
+        if writers:
+            g.nodes[r.name]["writers"] = tuple(sorted(writers))
+
+
+_READS = frozenset({"ReadVariableOp", "VariableShape"})
 
 
 def find_loss(g: nx.DiGraph, by_name: dict, update: set) -> str | None:
@@ -379,13 +415,19 @@ def build_graph(
             or r.op_type in NEVER_RECOMPUTE
             or any(t.dtype in ("resource", "variant") for t in r.outputs)
         )
+        cost = op_cost(r.op_type, in_shapes, [t.shape for t in r.outputs], r.equation)
+        cost = max(cost, r.loop_cost)
+        if r.pure_loop:
+            recomputable = True  # its variables' writers: _loop_writers
+        elif r.op_type in RECOMPUTABLE_LIST_OPS:
+            recomputable = True
         g.add_node(
             r.name,
             op_type=r.op_type,
             bytes=int(out_bytes),
             # the largest single output: a while loop's bytes are many accumulators
             largest_tensor=int(max((t.bytes for t in r.outputs), default=0)) if out_bytes else 0,
-            cost=op_cost(r.op_type, in_shapes, [t.shape for t in r.outputs], r.equation),
+            cost=cost,
             recomputable=recomputable,
             stateful=bool(r.stateful or r.calls_function),
             phase="forward",
@@ -530,6 +572,16 @@ def build_graph(
     # kept each BatchNorm's activation-sized ``g`` live one op too long (a small
     # BatchNorm CNN at batch 32: predicted 44.7 MiB at its smallest budget + 10 %,
     # measured 38.4). Control edges become precedences without bytes.
+    _loop_writers(g, records, by_name)
+    # A gradient loop reads its forward loop's accumulators and does about twice its
+    # work (two products for each product of the forward cell); its own inputs say
+    # little (its weights arrive as accumulated reads).
+    for r in records:
+        if r.op_type in ("While", "StatelessWhile"):
+            forward = [g.nodes[p]["cost"] for p in g.predecessors(r.name)
+                       if p in by_name and by_name[p].op_type in ("While", "StatelessWhile")]
+            if forward:
+                g.nodes[r.name]["cost"] = max(g.nodes[r.name]["cost"], 2.0 * max(forward))
     control = [(u, v) for u, v, k in g.edges(data="kind") if k == "control"]
     g.remove_edges_from(control)
     g.graph["order"] = order

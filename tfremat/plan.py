@@ -21,8 +21,10 @@ class Problem:
         Dataflow graph. Edge ``u -> v``: ``v`` consumes ``u``'s output. Node attributes:
         ``bytes`` (int, output size), ``cost`` (float >= 0, compute cost of one run),
         ``recomputable`` (bool; a node that is not must run exactly once) and,
-        optionally, ``phase`` ("forward", "backward", "update", "input").
-        Graph attribute ``order``: the reference topological order (the schedule
+        optionally, ``phase`` ("forward", "backward", "update", "input") and
+        ``writers`` (nodes no recomputation of this one may follow: the writes of
+        variables a recomputable loop reads; :func:`tfremat.solvers.solve` enforces
+        it, solvers need not). Graph attribute ``order``: the reference topological order (the schedule
         with no recomputation).
     budget_bytes : int
         The peak the schedule must not exceed, fixed bytes included.

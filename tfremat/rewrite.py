@@ -463,6 +463,7 @@ def rewrite_graph_def(
     sc = scratch or {}
     room = _room(graph, schedule, limit_bytes, fixed_bytes, sc) if strict and limit_bytes else None
     n_floating = 0
+    waits_on_copies: dict = {}
     # Twins Grappler's CSE would merge (graph.py): readers of a later twin read the
     # first one's latest computation, as the planning graph counted them; the later
     # twin is left without readers, and the runtime prunes it.
@@ -491,6 +492,10 @@ def rewrite_graph_def(
             taken.add(name)
             node.name = name
             n_copies += 1
+            if v in graph:
+                # a loop reading variables: their writers wait for every copy of it
+                for w in graph.nodes[v].get("writers", ()):
+                    waits_on_copies.setdefault(w, []).append(name)
         del node.input[:]
         for inp in src.input:
             if inp.startswith("^"):
@@ -578,6 +583,8 @@ def rewrite_graph_def(
     _anchor_ordering_edges(new, graph_def, set(gates.values()), dtypes, position, _cse_twins(graph_def, graph),
                            merged=set(twin))
     _restore_fanout(new, graph_def, dtypes, twin)
+    for w, copies in waits_on_copies.items():
+        nodes[w].input.extend("^" + c for c in copies)
     return new, RewriteInfo(copies=n_copies, gates=len(gates), rewired_inputs=n_rewired, floating=n_floating)
 
 

@@ -169,6 +169,23 @@ def check_precedences(graph: nx.DiGraph, schedule: Sequence[Node]) -> None:
             )
 
 
+def reread_after_write(graph: nx.DiGraph, schedule: Sequence[Node]) -> set:
+    """Nodes ``schedule`` recomputes after one of their ``writers`` ran.
+
+    A pure loop (``graph.build_graph``) reads variables; a copy of it after a write
+    of one of them would read the new value. Solvers do not see this constraint:
+    :func:`tfremat.solvers.solve` plans again with such nodes kept.
+    """
+    done: set = set()
+    bad: set = set()
+    nodes = graph.nodes
+    for v in schedule:
+        if v in done and any(w in done for w in nodes[v].get("writers", ())):
+            bad.add(v)
+        done.add(v)
+    return bad
+
+
 def reference_simulation(graph: nx.DiGraph, fixed_bytes: int = 0) -> Simulation:
     """Simulate the reference order (graph attribute ``order``, else a topological sort)."""
     order = graph.graph.get("order")

@@ -9,6 +9,7 @@ import math
 from typing import Any, Callable
 
 from ._tf import import_tf
+from .costs import PURE_LOOP_OPS, loop_cost
 from .errors import UnknownShapeError, UnsupportedGraphError
 from .graph import OpRecord, TensorInfo, is_variable_write, producer
 
@@ -187,6 +188,59 @@ def _list_bytes(op, index: int, functions: dict) -> int:
     return int(math.prod(dims) * tf.as_dtype(src.op.get_attr("element_dtype")).size * n)
 
 
+def _loop_cost(op, functions: dict, outputs, variables: dict) -> tuple[float, bool]:
+    """``(estimated cost, pure)`` of a while loop with a static trip count, else ``(0, False)``.
+
+    The cost is ``costs.loop_cost``'s: every weight the loop reads, multiplied once per
+    row per iteration, or the elements it writes, whichever is more. The loop is
+    *pure* when its body and condition hold only ``costs.PURE_LOOP_OPS``: pure
+    kernels and reads of the variables it is given, so a second run from the same
+    inputs computes the same outputs, provided no write of those variables comes
+    between (``graph.build_graph`` checks that). An RNN layer's forward loop is
+    pure: recomputing it drops its accumulators (most of the layer's activations)
+    between the forward and the backward pass.
+    """
+    tf = import_tf()
+    if op.type not in _WHILE_OPS:
+        return 0.0, False
+    trips = _trip_count(op)
+    if not trips:
+        return 0.0, False
+    pure = True
+    for attr in ("body", "cond"):
+        try:
+            fdef = functions.get(op.get_attr(attr).name)
+        except (ValueError, AttributeError):
+            fdef = None
+        if fdef is None or any(
+            n.op not in PURE_LOOP_OPS
+            or any(v.WhichOneof("value") == "func" or (v.WhichOneof("value") == "list" and len(v.list.func))
+                   for v in n.attr.values())
+            for n in fdef.node_def
+        ):
+            pure = False
+    # rows: the batch of a step's element (an RNN's input list holds (batch, features)
+    # elements) or of a loop-carried state (its hidden state)
+    rows, weights = 1, 0
+    for t in op.inputs:
+        src = _source(t)
+        if src.op.type == "TensorListFromTensor":
+            shape = src.op.inputs[0].shape
+            if shape.rank and shape.rank >= 2 and shape[1] is not None:
+                rows = max(rows, int(shape[1]))
+        elif t.dtype == tf.resource:
+            if t.op.name in variables:
+                weights += variables[t.op.name][0]
+            else:  # the variable's shape from a read of it outside the loop
+                shapes = [c.outputs[0].shape for c in t.consumers() if c.type == "ReadVariableOp"]
+                if shapes and shapes[0].is_fully_defined():
+                    weights += int(shapes[0].num_elements())
+        elif t.dtype.is_floating and t.shape.rank and t.shape.rank >= 2 and t.shape[0] is not None:
+            rows = max(rows, int(t.shape[0]))
+    moved = sum(info.bytes for info in outputs) // 4
+    return loop_cost(trips, rows, weights, moved), pure
+
+
 def _output_infos(op, functions: dict) -> tuple[TensorInfo, ...]:
     tf = import_tf()
     infos = []
@@ -274,6 +328,7 @@ def trace(fn, args: tuple, kwargs: dict | None = None) -> TracedStep:
         del graph_def.node[:]
         graph_def.node.extend(kept)
     functions = {f.signature.name: f for f in graph_def.library.function}
+    variables = _variable_elements(cf, captures)
     records = []
     for op in graph.get_operations():
         if op.name not in live:
@@ -283,18 +338,22 @@ def trace(fn, args: tuple, kwargs: dict | None = None) -> TracedStep:
             or (op.node_def.attr[k].WhichOneof("value") == "list" and len(op.node_def.attr[k].list.func))
             for k in op.node_def.attr
         )
+        infos = _output_infos(op, functions)
+        cost, pure = _loop_cost(op, functions, infos, variables)
         records.append(
             OpRecord(
                 name=op.name,
                 op_type=op.type,
                 inputs=tuple(t.name for t in op.inputs),
                 control_inputs=tuple(c.name for c in op.control_inputs),
-                outputs=_output_infos(op, functions),
+                outputs=infos,
                 stateful=bool(op.op_def.is_stateful) if op.op_def is not None else True,
                 calls_function=calls_function,
                 equation=op.get_attr("equation").decode() if op.type == "Einsum" else "",
                 value_digest=_value_digest(op),
                 attr_digest=_attr_digest(op),
+                loop_cost=cost,
+                pure_loop=pure,
             )
         )
     records, gradients = _bypass_identity_n(records, graph_def, [t.name for t in outputs])
@@ -316,7 +375,7 @@ def trace(fn, args: tuple, kwargs: dict | None = None) -> TracedStep:
         dtypes={op.name: [t.dtype.as_datatype_enum for t in op.outputs] for op in graph.get_operations()},
         structured_outputs=structured,
         python_function=getattr(tf_fn, "python_function", fn),
-        handle_bytes=_handle_bytes(cf, captures),
+        handle_bytes=_handle_bytes(variables),
         gradients=gradients,
     )
 
@@ -405,17 +464,23 @@ def _bypass_identity_n(records: list, graph_def, output_names) -> tuple[list, tu
     return records, gradients
 
 
-def _handle_bytes(cf, captures) -> dict[str, int]:
-    """Bytes of each captured variable, by its placeholder in the step's graph.
+def _variable_elements(cf, captures) -> dict[str, tuple[int, int]]:
+    """``(elements, bytes per element)`` of each captured variable, by its placeholder
+    in the step's graph.
 
     From the variables themselves (``ConcreteFunction.variables``), matched to the
     captures by handle: a variable the step uses only inside a called function (a
-    ``tf.cond`` branch) has no read in the step's own graph to size it by.
+    ``tf.cond`` branch or a loop body) has no read in the step's own graph to size it by.
     """
     by_handle = {}
     for v in cf.variables:
         try:
-            by_handle[id(v.handle)] = int(v.shape.num_elements()) * v.dtype.size
+            by_handle[id(v.handle)] = (int(v.shape.num_elements()), v.dtype.size)
         except (AttributeError, TypeError):  # unknown shape or no handle: sized by its reads
             continue
     return {name: by_handle[id(ext)] for ext, name in captures if id(ext) in by_handle}
+
+
+def _handle_bytes(variables: dict) -> dict[str, int]:
+    """Bytes of each captured variable, by its placeholder (see _variable_elements)."""
+    return {name: n * size for name, (n, size) in variables.items()}

@@ -13,7 +13,7 @@ from typing import Callable, Mapping, Union
 
 from ..errors import InfeasibleBudgetError, InvalidScheduleError, RematError
 from ..plan import Plan, Problem, Solver
-from ..simulate import check_precedences, simulate
+from ..simulate import check_precedences, reread_after_write, simulate
 from .auto import auto_solver
 from .baselines import BASELINES
 from .common import make_plan
@@ -88,9 +88,17 @@ def solve(problem: Problem, solver: SolverLike = "auto") -> Plan:
         )
     if sim.peak_bytes != plan.predicted_peak_bytes or abs(sim.cost - plan.cost) > 1e-6 * max(1.0, abs(sim.cost)):
         raise RematError(f"solver {plan.solver!r} misreported its plan's peak or cost")
-    if not plan.solve_s:
-        import dataclasses
+    import dataclasses
 
+    bad = reread_after_write(problem.graph, plan.schedule)
+    if bad:
+        # A loop recomputed after a write of a variable it reads would read the new
+        # value: plan again with those loops kept (each retry keeps one more).
+        g = problem.graph.copy()
+        for v in bad:
+            g.nodes[v]["recomputable"] = False
+        return solve(dataclasses.replace(problem, graph=g), solver)
+    if not plan.solve_s:
         plan = dataclasses.replace(plan, solve_s=elapsed)
     return plan
 
