@@ -122,11 +122,13 @@ def _rnn_model():
     return model
 
 
-def test_an_rnn_step_recomputes_its_loops_exactly_and_under_budget():
-    """The smallest budget the solver accepts, plus 10 %: the plan recomputes the
+@pytest.mark.parametrize("held_mib", [0, 256])
+def test_an_rnn_step_recomputes_its_loops_exactly_and_under_budget(held_mib):
+    """The smallest budget the solver accepts, plus 1 MiB: the plan recomputes the
     LSTM's forward loop (its accumulators are most of the step's activations), the
     three steps match Keras' own bitwise, and each measured peak is under the budget."""
     tf.config.experimental.enable_op_determinism()
+    held = tf.ones((held_mib, 2**18)) + 0.0  # memory the rest of the process holds
     rng = np.random.default_rng(0)
     x = tf.constant(rng.standard_normal((256, T, 16)).astype("float32"))
     y = tf.constant(rng.integers(0, 10, (256,)).astype("int32"))
@@ -137,7 +139,9 @@ def test_an_rnn_step_recomputes_its_loops_exactly_and_under_budget():
     model = tfremat.keras.remat(_rnn_model(), budget_gib=1e-6)
     with pytest.raises(tfremat.InfeasibleBudgetError) as e:
         tfremat.keras.get_plan(model, x, y)
-    budget = int(e.value.min_feasible_bytes * 1.1)
+    # (not + 10 %: the budget counts what the rest of the process holds, and 10 % of
+    # that left room for a plan keeping the loops when the whole suite ran first)
+    budget = e.value.min_feasible_bytes + 2**20
     model = tfremat.keras.remat(model, budget_gib=budget / 2**30)
     plan = tfremat.keras.get_plan(model, x, y)
     graph = tfremat.keras._step_for(model)._entry((tfremat.keras._batch(model, x, y),), {}).step_graph.graph
@@ -153,3 +157,4 @@ def test_an_rnn_step_recomputes_its_loops_exactly_and_under_budget():
     for a, b in zip(model.variables, ref.variables):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
     assert max(peaks) <= budget, (max(peaks) / 2**20, budget / 2**20)
+    del held
