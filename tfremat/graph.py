@@ -154,8 +154,9 @@ def _loop_writers(g: nx.DiGraph, records, by_name: dict) -> None:
     may write a variable it reads (``writers``).
 
     A copy of the loop reads the variables again, so it must run before any of them:
-    the simulator rejects a schedule with a copy after one (``simulate``), and the
-    rewrite makes each of them wait for every copy (``rewrite``). Any op given one of
+    :func:`tfremat.solvers.solve` plans again, with the loop kept, a schedule that has
+    a copy after one (``simulate.reread_after_write``), and the rewrite makes each of
+    them wait for every copy. Any op given one of
     the loop's handles counts, except reads and other pure loops.
     """
     for r in records:
@@ -575,7 +576,8 @@ def build_graph(
     _loop_writers(g, records, by_name)
     # A gradient loop reads its forward loop's accumulators and does about twice its
     # work (two products for each product of the forward cell); its own inputs say
-    # little (its weights arrive as accumulated reads).
+    # little (its weights arrive as accumulated reads). A loop fed a loop's final
+    # state directly (an encoder-decoder) is over-estimated the same way.
     for r in records:
         if r.op_type in ("While", "StatelessWhile"):
             forward = [g.nodes[p]["cost"] for p in g.predecessors(r.name)
