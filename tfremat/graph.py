@@ -149,6 +149,10 @@ def is_variable_write(op_type: str) -> bool:
     return op_type.startswith(WRITE_PREFIXES)
 
 
+# Ops given a variable's handle that only read it (not writers, for _loop_writers).
+_READS = frozenset({"ReadVariableOp", "VariableShape"})
+
+
 def _loop_writers(g: nx.DiGraph, records, by_name: dict) -> None:
     """Record, on each recomputable pure loop (``OpRecord.pure_loop``), the ops that
     may write a variable it reads (``writers``).
@@ -174,9 +178,6 @@ def _loop_writers(g: nx.DiGraph, records, by_name: dict) -> None:
                     writers.add(w)
         if writers:
             g.nodes[r.name]["writers"] = tuple(sorted(writers))
-
-
-_READS = frozenset({"ReadVariableOp", "VariableShape"})
 
 
 def find_loss(g: nx.DiGraph, by_name: dict, update: set) -> str | None:
