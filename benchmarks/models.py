@@ -186,7 +186,9 @@ def worker_probe(name: str, method: str, batch: int, cap_mb: int) -> None:
             tfremat.keras.remat(model, budget_gib=fraction * cap_mb / 1024)
         for _ in range(2):
             model.train_on_batch(x, y)
-    except (tf.errors.ResourceExhaustedError, tfremat.InfeasibleBudgetError, MemoryError):
+    except (tf.errors.ResourceExhaustedError, tfremat.InfeasibleBudgetError, MemoryError) as e:
+        # which of the two failures it was, for a person reading the probe's stderr
+        print(f"probe failed: {type(e).__name__}: {str(e)[:300]}", file=sys.stderr)
         sys.exit(3)
 
 

@@ -81,8 +81,11 @@ def test_forward_only_planner_recomputes_forward_values_only(g, frac, score, kee
             assert sched.count(v) == 1
 
 
-@given(g=dags(), frac=st.floats(0.2, 1.0), keep=st.booleans(), nb=st.booleans())
-def test_planner_schedules_are_valid_and_within_the_working_cap(g, frac, keep, nb):
+@given(g=dags(), frac=st.floats(0.2, 1.0), keep=st.booleans(), nb=st.booleans(),
+       inplace=st.booleans(), data=st.data())
+def test_planner_schedules_are_valid_and_within_the_working_cap(g, frac, keep, nb, inplace, data):
+    if inplace:  # the planner's takeover of an input's buffer must match the simulator's
+        _mark_some_inplace(g, data)
     ref = reference_simulation(g).peak_bytes
     cap = int(frac * ref)
     pl = EvictionPlanner(g, g.graph["order"])
@@ -170,6 +173,25 @@ def test_single_op_bound_lets_an_inplace_op_reuse_its_input():
     g.add_node("relu", bytes=10, cost=1, inplace=True)
     assert simulate(g, ["x", "relu"]).peak_bytes == 10
     assert single_op_lower_bound(g) == 10  # was 20: above a real schedule's peak
+
+
+def test_planner_lets_an_inplace_op_take_over_its_input_as_the_simulator_does():
+    import networkx as nx
+
+    # A gradient's elementwise chain (nothing in it may be recomputed): each op
+    # overwrites its input, so one buffer of 10 is live at a time.
+    g = nx.DiGraph([("x", "a"), ("a", "b"), ("b", "c")])
+    for v in "xabc":
+        g.add_node(v, bytes=10, cost=1, recomputable=False, inplace=v != "x")
+    order = ["x", "a", "b", "c"]
+    assert simulate(g, order).peak_bytes == 10
+    # Counting input and output both (20), the planner found no schedule at 10.
+    pos = EvictionPlanner(g, order).run(10, "cost_bytes")
+    assert pos is not None and EvictionPlanner(g, order).nodes(pos) == order
+    # Not when the input is read again later: both buffers are live.
+    g.add_edge("a", "c")
+    assert EvictionPlanner(g, order).run(10, "cost_bytes") is None
+    assert EvictionPlanner(g, order).run(20, "cost_bytes") is not None
 
 
 def test_once_lower_bound_counts_a_gradient_held_across_a_branch():
