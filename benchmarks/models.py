@@ -126,7 +126,8 @@ def worker_table(name: str, role: str, baseline: int = 0, fraction: float = 0.6,
     plan = tfremat.keras.get_plan(model, x, y)  # the plan the later steps ran
     return dict(
         name=name, batch=batch, baseline=baseline, budget=budget, at_fraction=at_fraction,
-        predicted=plan.predicted_peak_bytes, chunks=plan.allocator_peak_bytes or 0, first=peaks[0], measured=max(peaks[1:]), last=max(peaks[-3:]),
+        predicted=plan.predicted_peak_bytes, chunks=plan.allocator_peak_bytes,  # None: not checked that way
+        first=peaks[0], measured=max(peaks[1:]), last=max(peaks[-3:]),
         over=sum(p > budget for p in peaks),
         recomputed=len(plan.recomputed), fixed=plan.fixed_bytes,
     )
@@ -364,6 +365,9 @@ def main():
             raise RuntimeError(r.stderr.strip().splitlines()[-1] if r.stderr.strip() else str(r.returncode))
         return json.loads(rows[-1])
 
+    def chunks(value, by, fmt):  # the allocator model's prediction, if the plan has one
+        return "n/a" if value is None else format(value / by, fmt)
+
     for name in a.models:
         try:
             ref = run_worker(name, "reference", 0)
@@ -377,8 +381,9 @@ def main():
         lines.append(
             f"| {name} | {d['batch']} | {d['baseline'] / mib:.1f} | {d['fixed'] / mib:.1f} | "
             f"{d['budget'] / mib:.1f} ({budget_note}) | "
-            f"{d['predicted'] / mib:.1f} | {d['chunks'] / mib:.1f} | {d['first'] / mib:.1f} | {d['measured'] / mib:.1f} | "
-            f"{d['last'] / mib:.1f} | {d['over']} | {d['predicted'] / d['measured']:.2f} | {d['chunks'] / d['measured']:.2f} | "
+            f"{d['predicted'] / mib:.1f} | {chunks(d['chunks'], mib, '.1f')} | {d['first'] / mib:.1f} | "
+            f"{d['measured'] / mib:.1f} | {d['last'] / mib:.1f} | {d['over']} | {d['predicted'] / d['measured']:.2f} | "
+            f"{chunks(d['chunks'], d['measured'], '.2f')} | "
             f"{t['ratio']:.2f} ({t['low']:.2f}-{t['high']:.2f}) | {d['recomputed']} |"
         )
         print(lines[-1], flush=True)
