@@ -638,3 +638,76 @@ def test_a_copy_never_waits_on_what_a_fused_bias_gradient_feeds():
     assert got == step(x).numpy()
     for a, v in zip(got_vars, (k1, k2, b2)):
         assert (a == v.numpy()).all()
+
+
+def _run_graph_def(gd, feeds: dict, output: str):
+    """Run ``output`` of ``gd`` inside a tf.function (so Grappler rewrites it as it
+    does a rewritten step), feeding the placeholders named in ``feeds``."""
+    from tfremat.rewrite import FANOUT_SINK
+
+    names = list(feeds)
+    sink = [FANOUT_SINK] if any(n.name == FANOUT_SINK for n in gd.node) else []
+    kept = type(gd)()
+    kept.node.extend(n for n in gd.node if n.name not in feeds)
+
+    def body(*args):
+        out = tf.graph_util.import_graph_def(
+            kept, input_map={f"{k}:0": a for k, a in zip(names, args)}, return_elements=[output] + sink, name="g"
+        )
+        if sink:
+            with tf.control_dependencies([out[-1]]):
+                return tf.identity(out[0])
+        return out[0]
+
+    return tf.function(body, autograph=False)(*feeds.values()).numpy()
+
+
+@pytest.mark.parametrize("n", [3, 5, 9, 10, 17, 26])
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_a_sum_of_many_terms_becomes_pairs_summed_in_the_kernels_order(n, dtype):
+    """Grappler's memory optimizer may turn an AddN of 3+ inputs into an accumulation
+    in arrival order (see _split_sums); the pairs tfremat writes instead sum in the
+    AddN kernel's own order, over the inputs sorted by name as Grappler sorts them, so
+    the result is bitwise the original's. The inputs are named out of their list
+    order, and their magnitudes spread over six decades, so another order rounds
+    differently."""
+    import numpy as np
+
+    from tfremat.rewrite import FANOUT_SINK, _split_sums
+
+    rng = np.random.default_rng(n)
+    values = [(rng.standard_normal((64, 33)) * 10.0 ** rng.uniform(-3, 3)).astype(dtype) for _ in range(n)]
+    perm = rng.permutation(n)
+    specs = [tf.TensorSpec((64, 33), dtype) for _ in range(n)]
+
+    @tf.function(input_signature=specs)
+    def f(*xs):
+        # t<k> = 3 * x<k> names every term (Grappler would drop a product with 1);
+        # the list order is a permutation of the names
+        terms = [tf.multiply(x, tf.constant(3, dtype), name=f"t{k:02d}") for k, x in enumerate(xs)]
+        return tf.raw_ops.AddN(inputs=[terms[j] for j in perm], name="total")
+
+    gd = f.get_concrete_function().graph.as_graph_def()
+    args = [n.name for n in gd.node if n.op == "Placeholder"]
+    feeds = dict(zip(sorted(args, key=lambda a: int(a.split("_")[-1]) if "_" in a else 0), values))
+    new = type(gd)()
+    new.CopyFrom(gd)
+    _split_sums(new, gd)
+
+    nodes = {x.name: x for x in new.node}
+    sums = [x for x in new.node if x.op == "AddN"]
+    assert all(len([i for i in x.input if not i.startswith("^")]) == 2 for x in sums)
+    assert len(sums) == n - 1
+    inner = {x.name for x in sums} - {"total"}
+    assert {nodes[i[1:]].input[0][1:] for i in nodes[FANOUT_SINK].input} == inner
+
+    def leaves(name):
+        x = nodes[name.split(":")[0]]
+        if x.op != "AddN":
+            return [name]
+        return [leaf for i in x.input if not i.startswith("^") for leaf in leaves(i)]
+
+    assert leaves("total") == sorted(leaves("total"))
+    want = _run_graph_def(gd, feeds, "total:0")
+    got = _run_graph_def(new, feeds, "total:0")
+    assert np.array_equal(want, got)

@@ -583,6 +583,7 @@ def rewrite_graph_def(
     _anchor_ordering_edges(new, graph_def, set(gates.values()), dtypes, position, _cse_twins(graph_def, graph),
                            merged=set(twin))
     _restore_fanout(new, graph_def, dtypes, twin)
+    _split_sums(new, graph_def)
     for w, copies in waits_on_copies.items():
         nodes[w].input.extend("^" + c for c in copies)
     return new, RewriteInfo(copies=n_copies, gates=len(gates), rewired_inputs=n_rewired, floating=n_floating)
@@ -675,6 +676,110 @@ def _restore_fanout(new, graph_def, dtypes, twin=None) -> None:
         sink.op = "NoOp"
         sink.input.extend("^" + d for d in dummies)
         _preserved(sink)
+
+
+# DataType enum values (tensorflow/core/framework/types.proto) of the float types
+# whose AddN kernel sums in the order _split_sums reproduces.
+_FLOAT_DTYPES = frozenset({1, 2, 14, 19})  # float, double, bfloat16, half
+
+
+def _split_sums(new, graph_def) -> None:
+    """Rewrite a float ``AddN`` of more than two inputs as a tree of two-input
+    ``AddN`` ops that sums in the original step's order (in place).
+
+    Grappler's memory optimizer (``SchedulingPass``) turns an ``AddN`` of three or
+    more inputs into a ``TemporaryVariable`` that each input is ``AssignAdd``-ed into
+    as it arrives, when its static memory estimate says the inputs are live at its
+    peak. The sum is then taken in arrival order, and which ``AddN`` it picks moves
+    with every recomputed op. Found on EfficientNetB0 at a 108 MiB budget (a debug
+    subset of a plan, its ordering edges dropped): one more recomputed ``Rsqrt``
+    made it rewrite a three-term BatchNorm gradient sum in ``block7a``, and 734
+    variables differed after 3 steps (2.8e-3); one op fewer, it rewrote nothing and
+    the step was bitwise. The pass leaves two-input ``AddN`` ops alone.
+
+    The order: Grappler sorts the inputs of a commutative op by name
+    (``CanonicalizeNode``), so the original step sums in the order of its input
+    names; the tree takes them in that order, by their names in the original step
+    (a recomputed input is renamed here). Without the sort, EfficientNetB0 with
+    nothing recomputed differed by 3.1e-3 after 3 steps. The kernel (``AddNOp``)
+    adds the first ``k`` inputs left to right (``k`` = n mod 8, or 8 or 9 where that
+    is 0 or 1), then each following group of eight, summed left to right, onto the
+    running sum; the tree does the same (tests/test_rewrite.py checks it bitwise).
+
+    Every inner sum drives a control edge into a preserved ``NoOp`` of its own (all
+    waited for by the fan-out sink): the arithmetic optimizer does not fold an op
+    that drives a control dependency back into an ``AddN`` (AddOpsRewrite), and it
+    reorders the leaves when it does. One shared ``NoOp`` is not enough: the
+    dependency optimizer drops its edges from all but the last sum as implied.
+
+    An ``AddN`` that is part of a larger sum in the original step (an Add-family
+    input or consumer) is left as it is: the arithmetic optimizer folds it there
+    in an order of its own, which held pairs would not follow (the gradient-penalty
+    step of tests/test_api.py: 7e-9).
+    """
+    original = {n.name: [i for i in n.input if not i.startswith("^")] for n in graph_def.node}
+    op_of = {n.name: n.op for n in graph_def.node}
+    summed = {_split(i)[0] for n in graph_def.node if n.op in _ADD_FAMILY for i in n.input if not i.startswith("^")}
+    inner = []
+    for n in list(new.node):
+        data = [i for i in n.input if not i.startswith("^")]
+        if n.op != "AddN" or len(data) <= 2 or n.attr["T"].type not in _FLOAT_DTYPES:
+            continue
+        if n.name in summed or any(op_of.get(_split(i)[0]) in _ADD_FAMILY for i in original.get(n.name, ())):
+            continue  # part of a larger sum in the original step (see above)
+        ctrl = [i for i in n.input if i.startswith("^")]
+        names = original.get(n.name)
+        names = names if names is not None and len(names) == len(data) else data
+        data = [data[j] for j in sorted(range(len(data)), key=names.__getitem__)]
+        count = [0]
+
+        def add(a: str, b: str) -> str:
+            node = new.node.add()
+            node.CopyFrom(n)
+            node.name = f"{n.name}{COPY_SEP}_sum{count[0]}"
+            count[0] += 1
+            del node.input[:]
+            node.input.extend([a, b])
+            node.attr["N"].i = 2
+            inner.append(node.name)
+            return node.name
+
+        def fold(xs):
+            acc = xs[0]
+            for x in xs[1:]:
+                acc = add(acc, x)
+            return acc
+
+        m = len(data) % 8
+        k = 8 if m == 0 else 9 if m == 1 else m
+        groups = [data[:k]] + [data[r:r + 8] for r in range(k, len(data), 8)]
+        if len(groups) == 1:
+            left, right = fold(data[:-1]), data[-1]
+        else:
+            left = fold(groups[0])
+            for g in groups[1:-1]:
+                left = add(left, fold(g))
+            right = fold(groups[-1])
+        del n.input[:]
+        n.input.extend([left, right] + ctrl)
+        n.attr["N"].i = 2
+    if not inner:
+        return
+    sink = next((x for x in new.node if x.name == FANOUT_SINK), None)
+    if sink is None:
+        sink = new.node.add()
+        sink.name = FANOUT_SINK
+        sink.op = "NoOp"
+        _preserved(sink)
+    # One preserved NoOp per inner sum: with all of them on one sink, the dependency
+    # optimizer drops every edge but the last as implied by it (transitive reduction).
+    for x in inner:
+        hold = new.node.add()
+        hold.name = f"{x}/_hold"
+        hold.op = "NoOp"
+        hold.input.append("^" + x)
+        _preserved(hold)
+        sink.input.append("^" + hold.name)
 
 
 def _preserved(node) -> None:
