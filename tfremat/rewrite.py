@@ -671,11 +671,18 @@ def _restore_fanout(new, graph_def, dtypes, twin=None) -> None:
                 )
                 dummies.append(d.name)
     if dummies:
+        _fanout_sink(new).input.extend("^" + d for d in dummies)
+
+
+def _fanout_sink(new):
+    """The preserved ``NoOp`` the emitted function's outputs wait for (added once)."""
+    sink = next((x for x in new.node if x.name == FANOUT_SINK), None)
+    if sink is None:
         sink = new.node.add()
         sink.name = FANOUT_SINK
         sink.op = "NoOp"
-        sink.input.extend("^" + d for d in dummies)
         _preserved(sink)
+    return sink
 
 
 # DataType enum values (tensorflow/core/framework/types.proto) of the float types
@@ -765,12 +772,7 @@ def _split_sums(new, graph_def) -> None:
         n.attr["N"].i = 2
     if not inner:
         return
-    sink = next((x for x in new.node if x.name == FANOUT_SINK), None)
-    if sink is None:
-        sink = new.node.add()
-        sink.name = FANOUT_SINK
-        sink.op = "NoOp"
-        _preserved(sink)
+    sink = _fanout_sink(new)
     # One preserved NoOp per inner sum: with all of them on one sink, the dependency
     # optimizer drops every edge but the last as implied by it (transitive reduction).
     for x in inner:
