@@ -333,6 +333,46 @@ def test_no_gate_lands_on_a_computed_operand_of_a_product_the_optimizer_regroups
     assert not [n for n in nodes if "_remat_order" in n]
 
 
+def test_a_gate_in_front_of_a_recomputed_swish_keeps_its_pattern_whole():
+    """Keras' Swish ``h * sigmoid(1.0 * h)``, recomputed, its Sigmoid copy ordered:
+    Grappler drops the ``1.0 *`` and oneDNN fuses ``Mul(h, Sigmoid(h))`` only if both
+    read one tensor. The gate went in front of the Sigmoid copy's input, so the pair
+    read ``h`` and ``gate(1.0 * h)`` and ran unfused (EfficientNetB0 with every update
+    first: a depthwise kernel's gradient 1.5e-7 off after one step). The gate goes
+    in front of ``h``, and the copies after it that read ``h`` read the gate too."""
+    @tf.function
+    def f(x, y):
+        p = tf.exp(y)
+        h = tf.sin(x)
+        b = 1.0 * h
+        return h * tf.sigmoid(b), b * 2.0, p
+
+    gd, _, ops, order = _traced(f, tf.ones((4,)), tf.ones((4,)))
+    by_name = {n.name: n for n in gd.node}
+    h, sig, p = only(ops, "Sin"), only(ops, "Sigmoid"), only(ops, "Exp")
+    (b,) = [n for n in ops if ops[n] == "Mul" and by_name[sig].input[0].split(":")[0] == n]
+    (swish,) = [n for n in ops if ops[n] == "Mul" and any(i.split(":")[0] == sig for i in by_name[n].input)]
+    (later,) = [n for n in ops if ops[n] == "Mul" and n not in (b, swish)]
+    # the copies, as the rewrite names them; the later product reads the copy of b
+    copies = {}
+    for name in (b, sig, swish):
+        c = gd.node.add()
+        c.CopyFrom(by_name[name])
+        c.name = name + "/_remat1"
+        c.input[:] = [copies.get(i.split(":")[0], i) for i in c.input]
+        copies[name] = c.name
+    for n in gd.node:
+        if n.name == later:
+            n.input[:] = [copies.get(i.split(":")[0], i) for i in n.input]
+    nodes = _anchored(gd, order + list(copies.values()), [(copies[sig], p)])
+    (gate,) = [n for n in nodes if "_remat_order" in n]
+    assert [i.split(":")[0] for i in nodes[gate].input] == [h, "^" + p]
+    reads = lambda name: {i.split(":")[0] for i in nodes[name].input if not i.startswith("^")}
+    assert gate in reads(copies[b]) and gate in reads(copies[swish])
+    assert h not in reads(copies[b]) | reads(copies[swish])
+    assert reads(copies[sig]) == {copies[b]} and _waits(nodes, copies[sig]) == []
+
+
 def test_a_gradient_addn_gets_no_ordering_edge():
     """An ``AddN`` (how gradients of a tensor read twice are summed) ordered through a
     control input or a gate on an input was summed differently (NASNetMobile: 0.1 in
