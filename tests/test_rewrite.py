@@ -333,13 +333,17 @@ def test_no_gate_lands_on_a_computed_operand_of_a_product_the_optimizer_regroups
     assert not [n for n in nodes if "_remat_order" in n]
 
 
-def test_a_gate_in_front_of_a_recomputed_swish_keeps_its_pattern_whole():
+@pytest.mark.parametrize("shared", [True, False])
+def test_a_gate_in_front_of_a_recomputed_swish_keeps_its_pattern_whole(shared):
     """Keras' Swish ``h * sigmoid(1.0 * h)``, recomputed, its Sigmoid copy ordered:
     Grappler drops the ``1.0 *`` and oneDNN fuses ``Mul(h, Sigmoid(h))`` only if both
-    read one tensor. The gate went in front of the Sigmoid copy's input, so the pair
-    read ``h`` and ``gate(1.0 * h)`` and ran unfused (EfficientNetB0 with every update
-    first: a depthwise kernel's gradient 1.5e-7 off after one step). The gate goes
-    in front of ``h``, and the copies after it that read ``h`` read the gate too."""
+    read one tensor and the Sigmoid has no control input. With the copy of ``1.0 * h``
+    read twice (``shared``) the gate went in front of it, so the pair read ``h`` and
+    ``gate(1.0 * h)`` (EfficientNetB0 with every update first: a depthwise kernel's
+    gradient 1.5e-7 off after one step); read once, no input qualified and the
+    control input went on the Sigmoid copy itself (another plan: 139 variables, up
+    to 6e-4). Either way the gate now goes in front of ``h``, and the copies after
+    it that read ``h`` read the gate too."""
     @tf.function
     def f(x, y):
         p = tf.exp(y)
@@ -362,7 +366,7 @@ def test_a_gate_in_front_of_a_recomputed_swish_keeps_its_pattern_whole():
         c.input[:] = [copies.get(i.split(":")[0], i) for i in c.input]
         copies[name] = c.name
     for n in gd.node:
-        if n.name == later:
+        if n.name == later and shared:
             n.input[:] = [copies.get(i.split(":")[0], i) for i in n.input]
     nodes = _anchored(gd, order + list(copies.values()), [(copies[sig], p)])
     (gate,) = [n for n in nodes if "_remat_order" in n]
