@@ -385,7 +385,8 @@ def build_graph(
         ``LossScaleOptimizer`` updates inside its ``tf.cond``).
     gradients : iterable of str
         Ops whose outputs an optimizer applies (``TracedStep.gradients``): their
-        updates run as soon as each is computed (:func:`_updates_of`).
+        updates run as soon as each is computed (:func:`_updates_of`), every
+        update (Adam's too) where that order has the lower floor.
     """
     argument_ops = set(argument_ops)
     by_name = {r.name: r for r in records}
