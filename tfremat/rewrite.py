@@ -1245,8 +1245,9 @@ def _anchor_ordering_edges(new, graph_def, gate_names, dtypes, position, twins=f
         nodes[target].input[pos] = g
         for c in _copies_reading(target, inp):
             # A fusion pattern reads one tensor twice (oneDNN's Swish is
-            # ``Mul(x, Sigmoid(x))``): the copies after v that read inp read the gate
-            # too, so the pattern sees one tensor. They wait for v anyway. Found on
+            # ``Mul(x, Sigmoid(x))``): the copies after the gated op that read inp
+            # read the gate too, so the pattern sees one tensor. They descend from
+            # the gated op, so they waited for its sources anyway. Found on
             # EfficientNetB0 with every update first (60 % budget): the Sigmoid copy
             # read the gate, the Mul copy ``x``, the pair ran unfused (Eigen's
             # sigmoid, not oneDNN's Swish) and a depthwise kernel's gradient, which
