@@ -450,3 +450,47 @@ def test_margin_keeps_the_largest_tensor_free_not_the_largest_op():
     assert biggest < graph.nodes[unstack]["bytes"]
     assert biggest == 256 * 256 * 4
     assert fn._margin(2**30, graph) == int(2**30 * fn.headroom) + 256 * 256 * 4
+
+
+def _two_branches(order, other_orders=()):
+    """Two 4 MiB -> 1 MiB branches read by one last op; nothing recomputable, so
+    the order alone sets the peak: 9 MiB interleaved, 6 MiB one branch after the other."""
+    import networkx as nx
+
+    from tfremat.graph import StepGraph
+
+    mib = 2**20
+    g = nx.DiGraph()
+    attrs = dict(cost=1.0, recomputable=False, phase="forward", alias=False, inplace=False)
+    for v, b in [("a1", 4), ("a2", 1), ("b1", 4), ("b2", 1), ("end", 0)]:
+        g.add_node(v, bytes=b * mib, largest_tensor=b * mib, **attrs)
+    g.add_edges_from([("a1", "a2"), ("b1", "b2"), ("a2", "end"), ("b2", "end")])
+    g.graph["order"] = list(order)
+    g.graph["other_orders"] = [list(o) for o in other_orders]
+    return StepGraph(graph=g, fixed_bytes=0, variable_bytes=0, argument_bytes=0, constant_bytes=0)
+
+
+def test_a_budget_the_first_order_misses_is_planned_on_the_other():
+    from tfremat.api import RematFunction
+    from tfremat.errors import InfeasibleBudgetError
+
+    mib = 2**20
+    interleaved = ["a1", "b1", "a2", "b2", "end"]
+    serial = ["a1", "a2", "b1", "b2", "end"]
+
+    def solve(sg, budget):
+        return RematFunction(lambda: None, budget, "auto", 0.0, True)._solve(sg, 0)
+
+    with pytest.raises(InfeasibleBudgetError) as e:
+        solve(_two_branches(interleaved), 7 * mib)
+    assert e.value.min_feasible_bytes == 9 * mib
+    sg = _two_branches(interleaved, [serial])
+    plan = solve(sg, 7 * mib)
+    assert list(plan.schedule) == serial and plan.predicted_peak_bytes == 6 * mib
+    assert sg.graph.graph["order"] == interleaved  # the step's graph is left as it was
+    # no order fits: the smallest budget of all of them
+    with pytest.raises(InfeasibleBudgetError) as e:
+        solve(sg, 5 * mib)
+    assert e.value.min_feasible_bytes == 6 * mib
+    # a budget the first order meets is planned on it
+    assert list(solve(sg, 9 * mib).schedule) == interleaved

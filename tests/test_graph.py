@@ -188,6 +188,10 @@ def test_an_update_holding_more_than_its_gradient_keeps_its_program_position():
         _op("m2", "Mul", ["g2:0", "lr_read:0"], [_t(MIB)]),
         _op("u2", "Mul", ["m2:0", "g2:0"], [_t(MIB)]),
     ]
-    order = build_graph(records, ["x"], gradients=["g2", "g1"]).graph.graph["order"]
+    g = build_graph(records, ["x"], gradients=["g2", "g1"]).graph
+    order = g.graph["order"]
     assert order.index("u2") > order.index("g1")  # program position: after the backward
     assert order.index("u1") == order.index("g1") + 1  # SGD-like: right after its gradient
+    # the order with every update first stays beside it, for budgets this one misses
+    (other,) = g.graph["other_orders"]
+    assert other.index("u2") < other.index("g1") and set(other) == set(order)
