@@ -684,28 +684,6 @@ def test_a_copy_never_waits_on_what_a_fused_bias_gradient_feeds():
         assert (a == v.numpy()).all()
 
 
-def _run_graph_def(gd, feeds: dict, output: str):
-    """Run ``output`` of ``gd`` inside a tf.function (so Grappler rewrites it as it
-    does a rewritten step), feeding the placeholders named in ``feeds``."""
-    from tfremat.rewrite import FANOUT_SINK
-
-    names = list(feeds)
-    sink = [FANOUT_SINK] if any(n.name == FANOUT_SINK for n in gd.node) else []
-    kept = type(gd)()
-    kept.node.extend(n for n in gd.node if n.name not in feeds)
-
-    def body(*args):
-        out = tf.graph_util.import_graph_def(
-            kept, input_map={f"{k}:0": a for k, a in zip(names, args)}, return_elements=[output] + sink, name="g"
-        )
-        if sink:
-            with tf.control_dependencies([out[-1]]):
-                return tf.identity(out[0])
-        return out[0]
-
-    return tf.function(body, autograph=False)(*feeds.values()).numpy()
-
-
 @pytest.mark.parametrize("n", [3, 5, 9, 10, 17, 26])
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_a_sum_of_many_terms_becomes_pairs_summed_in_the_kernels_order(n, dtype):
@@ -717,7 +695,9 @@ def test_a_sum_of_many_terms_becomes_pairs_summed_in_the_kernels_order(n, dtype)
     differently."""
     import numpy as np
 
+    from tfremat.emit import emit
     from tfremat.rewrite import FANOUT_SINK, _split_sums
+    from tfremat.trace import trace
 
     rng = np.random.default_rng(n)
     values = [(rng.standard_normal((64, 33)) * 10.0 ** rng.uniform(-3, 3)).astype(dtype) for _ in range(n)]
@@ -731,9 +711,9 @@ def test_a_sum_of_many_terms_becomes_pairs_summed_in_the_kernels_order(n, dtype)
         terms = [tf.multiply(x, tf.constant(3, dtype), name=f"t{k:02d}") for k, x in enumerate(xs)]
         return tf.raw_ops.AddN(inputs=[terms[j] for j in perm], name="total")
 
-    gd = f.get_concrete_function().graph.as_graph_def()
-    args = [n.name for n in gd.node if n.op == "Placeholder"]
-    feeds = dict(zip(sorted(args, key=lambda a: int(a.split("_")[-1]) if "_" in a else 0), values))
+    args = [tf.constant(v) for v in values]
+    traced = trace(f, args, {})
+    gd = traced.graph_def
     new = type(gd)()
     new.CopyFrom(gd)
     _split_sums(new, gd)
@@ -752,6 +732,31 @@ def test_a_sum_of_many_terms_becomes_pairs_summed_in_the_kernels_order(n, dtype)
         return [leaf for i in x.input if not i.startswith("^") for leaf in leaves(i)]
 
     assert leaves("total") == sorted(leaves("total"))
-    want = _run_graph_def(gd, feeds, "total:0")
-    got = _run_graph_def(new, feeds, "total:0")
+    # both inside a tf.function, so Grappler rewrites them as it does a rewritten step
+    want = emit(traced, gd)(*args).numpy()
+    got = emit(traced, new)(*args).numpy()
     assert np.array_equal(want, got)
+
+
+def test_the_sums_tfremat_adds_take_names_no_op_of_the_step_has():
+    from tfremat.rewrite import COPY_SEP, _split_sums
+
+    spec = tf.TensorSpec((4,), tf.float32)
+
+    @tf.function(input_signature=[spec] * 3)
+    def f(a, b, c):
+        total = tf.raw_ops.AddN(inputs=[a, b, c], name="total")
+        # ops named as _split_sums names its inner sum and that sum's NoOp
+        s = tf.identity(a, name=f"total{COPY_SEP}_sum0")
+        h = tf.identity(b, name=f"total{COPY_SEP}_sum0/_hold")
+        return total * s * h
+
+    gd = f.get_concrete_function().graph.as_graph_def()
+    assert {f"total{COPY_SEP}_sum0", f"total{COPY_SEP}_sum0/_hold"} <= {n.name for n in gd.node}
+    new = type(gd)()
+    new.CopyFrom(gd)
+    _split_sums(new, gd)
+    names = [n.name for n in new.node]
+    assert len(names) == len(set(names))
+    assert len([n for n in new.node if n.op == "AddN"]) == 2  # the sum was split
+    tf.graph_util.import_graph_def(new, name="check")  # a valid graph

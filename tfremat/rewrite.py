@@ -486,9 +486,7 @@ def rewrite_graph_def(
                 prev_chain_end = j
             node = new.node.add()
             node.CopyFrom(src)
-            name = f"{v}{COPY_SEP}{k}"
-            while name in taken:
-                name += "_"
+            name = _fresh(f"{v}{COPY_SEP}{k}", taken)
             taken.add(name)
             node.name = name
             n_copies += 1
@@ -510,9 +508,7 @@ def rewrite_graph_def(
                 key = (inp, tuple(chain_triggers))
                 gate = gates.get(key)
                 if gate is None:
-                    gate = f"{op}{COPY_SEP}_gate{len(gates)}"
-                    while gate in taken:
-                        gate += "_"
+                    gate = _fresh(f"{op}{COPY_SEP}_gate{len(gates)}", taken)
                     taken.add(gate)
                     _add_identity(
                         new, gate, inp, dtypes[op][int(idx[1:]) if idx else 0], src.device,
@@ -728,6 +724,7 @@ def _split_sums(new, graph_def) -> None:
     op_of = {n.name: n.op for n in graph_def.node}
     summed = {_split(i)[0] for n in graph_def.node if n.op in _ADD_FAMILY for i in n.input if not i.startswith("^")}
     inner = []
+    taken = {n.name for n in new.node}
     for n in list(new.node):
         data = [i for i in n.input if not i.startswith("^")]
         if n.op != "AddN" or len(data) <= 2 or n.attr["T"].type not in _FLOAT_DTYPES:
@@ -743,7 +740,8 @@ def _split_sums(new, graph_def) -> None:
         def add(a: str, b: str) -> str:
             node = new.node.add()
             node.CopyFrom(n)
-            node.name = f"{n.name}{COPY_SEP}_sum{count[0]}"
+            node.name = _fresh(f"{n.name}{COPY_SEP}_sum{count[0]}", taken)
+            taken.add(node.name)
             count[0] += 1
             del node.input[:]
             node.input.extend([a, b])
@@ -777,11 +775,19 @@ def _split_sums(new, graph_def) -> None:
     # optimizer drops every edge but the last as implied by it (transitive reduction).
     for x in inner:
         hold = new.node.add()
-        hold.name = f"{x}/_hold"
+        hold.name = _fresh(f"{x}/_hold", taken)
+        taken.add(hold.name)
         hold.op = "NoOp"
         hold.input.append("^" + x)
         _preserved(hold)
         sink.input.append("^" + hold.name)
+
+
+def _fresh(name: str, taken) -> str:
+    """``name``, with ``_`` appended until no op in ``taken`` has it."""
+    while name in taken:
+        name += "_"
+    return name
 
 
 def _preserved(node) -> None:
@@ -1091,6 +1097,16 @@ def _anchor_ordering_edges(new, graph_def, gate_names, dtypes, position, twins=f
                     heapq.heappush(heap, (-position.get(p, -1), p))
         return None
 
+    def gateable_inputs(v):
+        """Positions of v's data inputs from an op of the graph other than a constant."""
+        out = []
+        for k, i in enumerate(nodes[v].input):
+            if not i.startswith("^"):
+                p = nodes.get(_split(i)[0])
+                if p is not None and p.op not in _CONSTS:
+                    out.append(k)
+        return out
+
     def stable_input(v, computed=True):
         """The input of v to gate: its producer is never merged with v by a rewrite.
         A variable read first; with ``computed``, else a tensor with several consumers.
@@ -1103,12 +1119,8 @@ def _anchor_ordering_edges(new, graph_def, gate_names, dtypes, position, twins=f
         pairs the scalar with one operand; which one moved with the gate), 2.6e-4
         after 3 steps. A gated variable read (LayerNorm's scale) is left as it was."""
         best = None
-        for pos, i in enumerate(nodes[v].input):
-            if i.startswith("^"):
-                continue
-            p = nodes.get(_split(i)[0])
-            if p is None or p.op in _CONSTS:
-                continue
+        for pos in gateable_inputs(v):
+            p = nodes[_split(nodes[v].input[pos])[0]]
             if p.op in _STABLE_PRODUCERS:
                 return pos
             if computed and best is None and len(consumers.get(p.name, ())) >= 2:
@@ -1116,7 +1128,8 @@ def _anchor_ordering_edges(new, graph_def, gate_names, dtypes, position, twins=f
         return best
 
     def _cone_entrance(v, pos, srcs):
-        """Where the gate of copy ``v`` goes (op, input), so a fusion pattern that
+        """Where the gate of copy ``v`` goes (op, input, the copies after the op that
+        read that input: they read the gate too), so a fusion pattern that
         reads one tensor twice stays whole: in front of the nearest copy, ``v`` or an
         elementwise copy feeding it (at most 3 deep, none of them an ancestor of a
         source in ``srcs``), whose input a copy after it reads too; else on input
@@ -1130,27 +1143,24 @@ def _anchor_ordering_edges(new, graph_def, gate_names, dtypes, position, twins=f
         the gate as well. Found on EfficientNetB0 with every update first (60 %):
         both, in two plans (a depthwise kernel's gradient 1.5e-7 off after one step;
         139 variables, up to 6e-4)."""
-        starts = [pos] if pos is not None else [
-            k for k, i in enumerate(nodes[v].input) if not i.startswith("^")
-            and nodes.get(_split(i)[0]) is not None and nodes[_split(i)[0]].op not in _CONSTS]
         if _copy_base(v) is not None:
-            for k0 in starts:
+            for k0 in [pos] if pos is not None else gateable_inputs(v):
                 target, k = v, k0
                 for _ in range(4):
-                    if _copies_reading(target, nodes[target].input[k]):
-                        return target, k
+                    readers = _copies_reading(target, nodes[target].input[k])
+                    if readers:
+                        return target, k, readers
                     p = _split(nodes[target].input[k])[0]
                     n = nodes.get(p)
                     if n is None or _copy_base(p) is None or n.op not in _ELEMENTWISE \
                             or any(s == p or is_ancestor(p, s) for s in srcs):
                         break
-                    up = next((j for j, i in enumerate(n.input) if not i.startswith("^")
-                               and nodes.get(_split(i)[0]) is not None
-                               and nodes[_split(i)[0]].op not in _CONSTS), None)
-                    if up is None:
+                    up = gateable_inputs(p)
+                    if not up:
                         break
-                    target, k = p, up
-        return None if pos is None else (v, pos)
+                    target, k = p, up[0]
+        # (v, pos) itself was tried above when v is a copy: no copy after it reads it
+        return None if pos is None else (v, pos, [])
 
     def _copies_reading(v, tensor, radius=4):
         """Copies reachable from v through copies (at most ``radius`` ops away) that
@@ -1232,18 +1242,16 @@ def _anchor_ordering_edges(new, graph_def, gate_names, dtypes, position, twins=f
                 continue
             node.input.extend("^" + a for a in srcs)
             continue
-        target, pos = cone
+        target, pos, readers = cone
         inp = nodes[target].input[pos]
         key = (inp, tuple(srcs))
         g = order_gates.get(key)
         if g is None:
-            g = f"{v}{COPY_SEP}_order"
-            while g in nodes:
-                g += "_"
+            g = _fresh(f"{v}{COPY_SEP}_order", nodes)
             nodes[g] = _add_identity(new, g, inp, dtype_of(inp), node.device, srcs, preserved=True)
             order_gates[key] = g
         nodes[target].input[pos] = g
-        for c in _copies_reading(target, inp):
+        for c in readers:
             # A fusion pattern reads one tensor twice (oneDNN's Swish is
             # ``Mul(x, Sigmoid(x))``): the copies after the gated op that read inp
             # read the gate too, so the pattern sees one tensor. They descend from
