@@ -48,6 +48,10 @@ EXTRA = {
     "mobilenet": (32, (32, 32, 3)),
     "noisy_cnn": (32, (32, 32, 3)),
     "masked_lstm": (32, (48,)),
+    # session 22
+    "mobilenetv3large": (32, (32, 32, 3)),
+    "resnext_tiny": (32, (32, 32, 3)),  # grouped convolutions
+    "tabular_mlp": (256, (64,)),
 }
 
 
@@ -163,6 +167,27 @@ def _builders():
         h = L.Dense(128, activation="tanh")(h)
         return keras.Model(inp, L.Dense(10)(L.LSTM(32)(h)))
 
+    def resnext_tiny():
+        # ResNeXt-style bottlenecks: a grouped 3x3 convolution between 1x1 ones
+        inp = keras.Input(EXTRA["resnext_tiny"][1])
+        h = L.Conv2D(64, 3, padding="same")(inp)
+        for _ in range(3):
+            r = L.ReLU()(L.BatchNormalization()(L.Conv2D(64, 1)(h)))
+            r = L.ReLU()(L.BatchNormalization()(L.Conv2D(64, 3, padding="same", groups=8)(r)))
+            h = L.ReLU()(L.Add()([h, L.BatchNormalization()(L.Conv2D(64, 1)(r))]))
+        return keras.Model(inp, L.Dense(10)(L.GlobalAveragePooling2D()(h)))
+
+    def tabular_mlp():
+        # a wide-and-deep tabular model: an embedded categorical column beside
+        # BatchNorm'd dense layers, concatenated
+        inp = keras.Input(EXTRA["tabular_mlp"][1])
+        ids = L.Lambda(lambda t: keras.ops.cast(keras.ops.abs(t[:, :1]) * 100, "int32") % 200)(inp)
+        wide = L.Flatten()(L.Embedding(200, 16)(ids))
+        h = inp
+        for width in (512, 512, 256):
+            h = L.Dropout(0.1)(L.Activation("relu")(L.BatchNormalization()(L.Dense(width)(h))))
+        return keras.Model(inp, L.Dense(10)(L.Concatenate()([h, wide])))
+
     def app(cls, name):
         return lambda: getattr(keras.applications, cls)(weights=None, input_shape=EXTRA[name][1], classes=10)
 
@@ -172,7 +197,9 @@ def _builders():
                gru_conv1d=gru_conv1d, conv3d_bn=conv3d_bn, causal_decoder=causal_decoder, vit_tiny=vit_tiny,
                efficientnetv2b0=app("EfficientNetV2B0", "efficientnetv2b0"), resnet50v2=app("ResNet50V2", "resnet50v2"),
                inceptionv3=app("InceptionV3", "inceptionv3"), mobilenet=app("MobileNet", "mobilenet"),
-               noisy_cnn=noisy_cnn, masked_lstm=masked_lstm)
+               noisy_cnn=noisy_cnn, masked_lstm=masked_lstm,
+               mobilenetv3large=app("MobileNetV3Large", "mobilenetv3large"),
+               resnext_tiny=resnext_tiny, tabular_mlp=tabular_mlp)
     return out
 
 
