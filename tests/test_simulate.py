@@ -166,6 +166,48 @@ def test_a_plan_with_scratch_nodes_dropped_is_a_valid_plan_of_the_graph(g, data)
     assert sim.peak_bytes <= plan.predicted_peak_bytes <= budget
 
 
+def _call_with_two_outputs():
+    """x -> call (outputs: a 40-byte convolution read by f, a 5-byte value read by
+    the last op z) -> f -> z: the call is never recomputed (a function call)."""
+    g = nx.DiGraph()
+    for v, b, rec in [("x", 10, True), ("call", 45, False), ("f", 20, True), ("z", 1, True)]:
+        g.add_node(v, bytes=b, cost=1.0, recomputable=rec, phase="forward")
+    g.add_edges_from([("x", "call"), ("call", "f"), ("f", "z"), ("call", "z")], kind="data")
+    g.nodes["call"]["output_readers"] = ((40, ("f",)), (5, ("z",)))
+    g.graph["order"] = ["x", "call", "f", "z"]
+    return g
+
+
+def test_a_calls_outputs_are_freed_apart():
+    from tfremat.graph import output_node, with_call_outputs
+
+    g = _call_with_two_outputs()
+    h = with_call_outputs(g)
+    assert h.graph["order"] == ["x", "call/_tfremat_outputs", "call", output_node("call", 0),
+                                output_node("call", 1), "f", "z"]
+    assert g.nodes["call"]["bytes"] == 45 and g.graph["order"] == ["x", "call", "f", "z"]  # a copy
+    # node-level: the 40 bytes live until z; apart, the convolution's go after f
+    assert simulate(g, g.graph["order"]).memory.tolist() == [10, 55, 65, 66]
+    sim = simulate(h, h.graph["order"])
+    # x; the outputs reserved (x + 45); the call runs; output 0 (x freed); output 1;
+    # f (both outputs + 20); z (output 1 + f + 1: the convolution freed after f)
+    assert sim.memory.tolist() == [10, 55, 55, 40, 45, 65, 26]
+    assert sim.peak_bytes == 65 and sim.cost == 4
+    # a plan of h is one of g once the nodes g lacks are dropped
+    plan = solve(Problem(h, 65), "auto")
+    assert [v for v in plan.schedule if v in g] == g.graph["order"]
+
+
+def test_a_recomputable_op_or_one_without_readers_apart_keeps_its_node():
+    from tfremat.graph import with_call_outputs
+
+    g = _call_with_two_outputs()
+    g.nodes["call"]["recomputable"] = True
+    assert with_call_outputs(g) is g
+    plain = chain([1, 2])
+    assert with_call_outputs(plain) is plain
+
+
 def test_free_running_order_runs_each_op_as_soon_as_its_inputs_allow():
     g = nx.DiGraph()
     for v in "xabcm":

@@ -48,8 +48,10 @@ MODELS = {
     # a hand-written gradient repeating forward ops, which Grappler merges (CSE): the
     # merged ops run in the forward pass and stay live until the gradient reads them
     "swish": (dict(layers=16, width=256), dict(batch=2048, width=256)),
+    # grouped convolutions: XLA-compiled calls, whose outputs are freed apart
+    "grouped": (dict(channels=16, blocks=8, size=32), dict(batch=64, size=32)),
 }
-CASES = [("mlp", 0.7), ("mlp", 0.6), ("cnn", 0.7), ("cnn", 0.6), ("swish", 0.7)]
+CASES = [("mlp", 0.7), ("mlp", 0.6), ("cnn", 0.7), ("cnn", 0.6), ("swish", 0.7), ("grouped", 0.8)]
 
 
 def run_case(kind: str, fraction: float) -> dict:

@@ -15,6 +15,8 @@ CASES = [
     ("mlp", "adam", dict(layers=10, width=128)),
     ("cnn", "sgd", dict(channels=8, blocks=4, size=16)),
     ("cnn", "adam", dict(channels=8, blocks=4, size=16)),
+    # XLA-compiled calls, their outputs planned apart (graph.with_call_outputs)
+    ("grouped", "adam", dict(channels=8, blocks=4, size=16)),
 ]
 
 

@@ -237,3 +237,27 @@ def test_an_identity_n_outside_the_optimizer_is_kept():
     traced = trace(update, (tf.ones((4, 4)),))
     assert [r.op_type for r in traced.records].count("IdentityN") == 0
     assert len(traced.gradients) == 2
+
+
+def test_the_outputs_of_an_xla_call_are_planned_apart():
+    """Keras' grouped convolution on CPU is an XLA-compiled call whose outputs are the
+    convolution (read by the next BiasAdd) and the tensors its gradient call reads:
+    as one node, the convolution's bytes were held to the backward pass."""
+    from tf_models import make_data, make_step
+    from tfremat.graph import build_graph, with_call_outputs
+    from tfremat.simulate import reference_simulation
+
+    x, y = make_data("grouped", batch=8, size=16)
+    _, step = make_step("grouped", "sgd", channels=8, blocks=2, size=16)
+    traced = trace(step, (x, y))
+    g = build_graph(traced.records, traced.arg_placeholders, traced.handle_bytes, traced.gradients).graph
+    split = [v for v, a in g.nodes(data=True) if a.get("output_readers")]
+    forward = [v for v in split if g.nodes[v]["phase"] == "forward"]
+    assert len(forward) == 2, split  # one per grouped convolution
+    conv = 8 * 16 * 16 * 8 * 4  # the convolution's output, float32
+    for v in forward:
+        readers = g.nodes[v]["output_readers"]
+        assert sum(b for b, _ in readers) == g.nodes[v]["bytes"]
+        assert any(b == conv and all(g.nodes[c]["phase"] == "forward" for c in cs) for b, cs in readers)
+    h = with_call_outputs(g)
+    assert reference_simulation(h).peak_bytes < reference_simulation(g).peak_bytes

@@ -14,12 +14,13 @@ def mlp(layers: int = 12, width: int = 256):
     return keras.Model(inp, keras.layers.Dense(10)(h))
 
 
-def residual_cnn(channels: int = 16, blocks: int = 3, size: int = 32):
+def residual_cnn(channels: int = 16, blocks: int = 3, size: int = 32, groups: int = 1):
     inp = keras.Input((size, size, 3))
     h = keras.layers.Conv2D(channels, 3, padding="same", activation="relu")(inp)
     for _ in range(blocks):
         r = keras.layers.Conv2D(channels, 3, padding="same", activation="relu")(h)
-        r = keras.layers.Conv2D(channels, 3, padding="same")(r)
+        # groups > 1: Keras runs grouped convolutions on CPU as XLA-compiled calls
+        r = keras.layers.Conv2D(channels, 3, padding="same", groups=groups)(r)
         h = keras.layers.Activation("relu")(keras.layers.Add()([h, r]))
     h = keras.layers.GlobalAveragePooling2D()(h)
     return keras.Model(inp, keras.layers.Dense(10)(h))
@@ -46,7 +47,12 @@ def swish_mlp(layers: int = 8, width: int = 256):
     return keras.Model(inp, keras.layers.Dense(10)(h))
 
 
-MODELS = {"mlp": mlp, "cnn": residual_cnn, "swish": swish_mlp}
+def grouped_cnn(channels: int = 16, blocks: int = 3, size: int = 32):
+    return residual_cnn(channels, blocks, size, groups=4)
+
+
+MODELS = {"mlp": mlp, "cnn": residual_cnn, "swish": swish_mlp, "grouped": grouped_cnn}
+IMAGE_MODELS = ("cnn", "grouped")
 
 
 def make_step(kind: str = "mlp", optimizer: str = "sgd", seed: int = 0, **kw):
@@ -76,7 +82,7 @@ def gradient_step(model, opt, loss_fn):
 
 
 def make_data(kind: str = "mlp", batch: int = 512, width: int = 256, size: int = 32, seed: int = 1):
-    shape = (batch, size, size, 3) if kind == "cnn" else (batch, width)
+    shape = (batch, size, size, 3) if kind in IMAGE_MODELS else (batch, width)
     x = tf.random.stateless_normal(shape, seed=(seed, 0))
     y = tf.random.stateless_uniform((batch,), seed=(seed, 1), minval=0, maxval=10, dtype=tf.int32)
     return x, y

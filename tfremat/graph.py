@@ -180,6 +180,35 @@ def _loop_writers(g: nx.DiGraph, records, by_name: dict) -> None:
             g.nodes[r.name]["writers"] = tuple(sorted(writers))
 
 
+_CALL_OPS = frozenset({"PartitionedCall", "StatefulPartitionedCall"})
+
+
+def _call_output_readers(g: nx.DiGraph, records) -> None:
+    """Record, on each function call whose outputs have different readers, each
+    output's bytes and readers (``output_readers``, for :func:`with_call_outputs`).
+
+    Calls whose outputs an aliasing op reads are left as they are: the liveness edges
+    of those aliases' readers start at the call, not at one output."""
+    readers: dict = {}
+    for r in records:
+        if r.op_type in SHAPE_ONLY_OPS:
+            continue
+        for t in r.inputs:
+            readers.setdefault(producer(t), {}).setdefault(output_index(t), set()).add(r.name)
+    for r in records:
+        if r.op_type not in _CALL_OPS or len(r.outputs) < 2 or r.name not in g:
+            continue
+        if any(k != "data" for _, _, k in g.out_edges(r.name, data="kind")):
+            continue
+        per = readers.get(r.name, {})
+        sets = [frozenset(per.get(k, ())) for k in range(len(r.outputs))]
+        if len(set(sets)) < 2 or any(not g.has_edge(r.name, c) or g.nodes[c].get("alias")
+                                     for s in sets for c in s):
+            continue
+        g.nodes[r.name]["output_readers"] = tuple(
+            (int(t.bytes), tuple(sorted(s))) for t, s in zip(r.outputs, sets))
+
+
 def find_loss(g: nx.DiGraph, by_name: dict, update: set) -> str | None:
     """The op computing the loss, found by structure (see the module docstring).
 
@@ -287,8 +316,9 @@ class StepGraph:
 
     @functools.cached_property
     def planning_graph(self) -> nx.DiGraph:
-        """``graph`` with each op's kernel scratch as an input node (:func:`with_scratch`)."""
-        return with_scratch(self.graph, self.scratch)
+        """``graph`` with each op's kernel scratch as an input node (:func:`with_scratch`)
+        and the outputs of calls as nodes of their own (:func:`with_call_outputs`)."""
+        return with_scratch(with_call_outputs(self.graph), self.scratch)
 
 
 def scratch_node(op: str) -> str:
@@ -323,6 +353,62 @@ def with_scratch(graph: nx.DiGraph, scratch: Mapping[str, int]) -> nx.DiGraph:
             g.add_edge(s, v, kind="scratch")
             order.append(s)
         order.append(v)
+    g.graph["order"] = order
+    return g
+
+
+def output_node(op: str, k: int) -> str:
+    return f"{op}/_tfremat_output{k}"
+
+
+def with_call_outputs(graph: nx.DiGraph) -> nx.DiGraph:
+    """A copy of ``graph`` where each op with ``output_readers`` (a function call whose
+    outputs have different readers) has its outputs as nodes of their own.
+
+    Node-level accounting holds every output of an op until the op's last reader: an
+    XLA-compiled grouped convolution (Keras on CPU) outputs the convolution, read by
+    the next ``BiasAdd``, beside the tensors its gradient call reads, so the
+    convolution's bytes were held to the backward pass (a ResNeXt-style test model:
+    three 8 MiB outputs, its smallest budget 0.64x its baseline). Here output ``k``
+    becomes :func:`output_node` (``op``, ``k``): its bytes, no cost, computed once
+    (not recomputable: a copy of a reader reads the first computation, which
+    TensorFlow then keeps), right after the op, read by that output's readers. The op
+    itself holds no bytes; an input node of the outputs' total bytes, read by the op
+    only and placed just before it (as kernel scratch is, :func:`with_scratch`), keeps
+    them counted while the op runs. Only ops that are never recomputed get this (a
+    copy of the op would need copies of its outputs). A schedule is turned back into
+    one of ``graph`` by dropping the nodes that are not in it. Returns ``graph``
+    itself when no op has ``output_readers``.
+    """
+    calls = {v: a["output_readers"] for v, a in graph.nodes(data=True)
+             if a.get("output_readers") and not a.get("recomputable", True)}
+    if not calls:
+        return graph
+    g = graph.copy()
+    order = []
+    for v in graph.graph.get("order") or list(nx.topological_sort(graph)):
+        if v not in calls:
+            order.append(v)
+            continue
+        a = graph.nodes[v]
+        common = dict(cost=0.0, recomputable=False, stateful=False, phase=a.get("phase", "forward"),
+                      alias=False, inplace=False, output_of=v)
+        readers = calls[v]
+        total = sum(int(b) for b, _ in readers)
+        held = f"{v}/_tfremat_outputs"
+        g.add_node(held, op_type="_Outputs", bytes=total, largest_tensor=total, **common)
+        g.add_edge(held, v, kind="scratch")
+        g.nodes[v]["bytes"] = 0
+        order += [held, v]
+        for k, (b, cs) in enumerate(readers):
+            o = output_node(v, k)
+            g.add_node(o, op_type="_Output", bytes=int(b), largest_tensor=int(b), **common)
+            g.add_edge(v, o, kind="data")
+            for c in cs:
+                if g.has_edge(v, c):
+                    g.remove_edge(v, c)
+                g.add_edge(o, c, kind="data")
+            order.append(o)
     g.graph["order"] = order
     return g
 
@@ -589,6 +675,7 @@ def build_graph(
                 g.nodes[r.name]["cost"] = max(g.nodes[r.name]["cost"], 2.0 * max(forward))
     control = [(u, v) for u, v, k in g.edges(data="kind") if k == "control"]
     g.remove_edges_from(control)
+    _call_output_readers(g, records)
     # Every update first, Adam's and momentum's too, where that lowers the floor of
     # the plans the rewrite can emit (``fixed_order_lower_bound``, over the ops that
     # run once): in program order they wait for the whole backward pass and hold
