@@ -180,7 +180,8 @@ def _loop_writers(g: nx.DiGraph, records, by_name: dict) -> None:
             g.nodes[r.name]["writers"] = tuple(sorted(writers))
 
 
-_CALL_OPS = frozenset({"PartitionedCall", "StatefulPartitionedCall"})
+# Function calls (their bodies opaque to the plan; tfremat.scratch probes XLA ones).
+CALL_OPS = frozenset({"PartitionedCall", "StatefulPartitionedCall"})
 
 
 def _call_output_readers(g: nx.DiGraph, records) -> None:
@@ -196,7 +197,7 @@ def _call_output_readers(g: nx.DiGraph, records) -> None:
         for t in r.inputs:
             readers.setdefault(producer(t), {}).setdefault(output_index(t), set()).add(r.name)
     for r in records:
-        if r.op_type not in _CALL_OPS or len(r.outputs) < 2 or r.name not in g:
+        if r.op_type not in CALL_OPS or len(r.outputs) < 2 or r.name not in g:
             continue
         if any(k != "data" for _, _, k in g.out_edges(r.name, data="kind")):
             continue

@@ -25,7 +25,7 @@ from __future__ import annotations
 import time
 from typing import Mapping, Sequence
 
-from .graph import OpRecord, output_index, producer
+from .graph import CALL_OPS, OpRecord, output_index, producer
 
 # Op types whose kernels are known to take scratch from the allocator on some builds:
 # the convolution family (Eigen's im2col buffers, cuDNN workspaces), fused batch norm
@@ -42,7 +42,6 @@ PROBED_OPS = frozenset({
 # are that kernel's scratch. Measured (TF 2.21, CPU): the gradient of a depthwise
 # (768-group) 7x7 convolution on a [16, 1, 1, 768] input took 256 MiB while it ran;
 # ConvNeXtTiny's step measured 607 MiB for a 472 MiB prediction without it.
-CALL_OPS = frozenset({"PartitionedCall", "StatefulPartitionedCall"})
 _XLA_ATTR = "_XlaMustCompile"
 
 
