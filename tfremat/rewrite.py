@@ -487,7 +487,6 @@ def rewrite_graph_def(
             node = new.node.add()
             node.CopyFrom(src)
             name = _fresh(f"{v}{COPY_SEP}{k}", taken)
-            taken.add(name)
             node.name = name
             n_copies += 1
             if v in graph:
@@ -509,7 +508,6 @@ def rewrite_graph_def(
                 gate = gates.get(key)
                 if gate is None:
                     gate = _fresh(f"{op}{COPY_SEP}_gate{len(gates)}", taken)
-                    taken.add(gate)
                     _add_identity(
                         new, gate, inp, dtypes[op][int(idx[1:]) if idx else 0], src.device,
                         chain_triggers,
@@ -741,7 +739,6 @@ def _split_sums(new, graph_def) -> None:
             node = new.node.add()
             node.CopyFrom(n)
             node.name = _fresh(f"{n.name}{COPY_SEP}_sum{count[0]}", taken)
-            taken.add(node.name)
             count[0] += 1
             del node.input[:]
             node.input.extend([a, b])
@@ -776,7 +773,6 @@ def _split_sums(new, graph_def) -> None:
     for x in inner:
         hold = new.node.add()
         hold.name = _fresh(f"{x}/_hold", taken)
-        taken.add(hold.name)
         hold.op = "NoOp"
         hold.input.append("^" + x)
         _preserved(hold)
@@ -784,9 +780,15 @@ def _split_sums(new, graph_def) -> None:
 
 
 def _fresh(name: str, taken) -> str:
-    """``name``, with ``_`` appended until no op in ``taken`` has it."""
+    """``name``, with ``_`` appended until no op in ``taken`` has it.
+
+    ``taken`` is a set of names, which the new name joins, or a mapping from
+    names to nodes, which the caller fills in.
+    """
     while name in taken:
         name += "_"
+    if isinstance(taken, set):
+        taken.add(name)
     return name
 
 
