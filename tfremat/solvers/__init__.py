@@ -17,6 +17,7 @@ from ..simulate import check_precedences, reread_after_write, simulate
 from .auto import auto_solver
 from .baselines import BASELINES
 from .common import make_plan
+from .cover import cover_solver
 from .evict import evict_solver
 from .exact import exact_solver
 from .segments import segments_solver
@@ -28,6 +29,7 @@ SOLVERS: Mapping[str, Solver] = types.MappingProxyType(
         "auto": auto_solver,
         **BASELINES,
         "segments": segments_solver,
+        "cover": cover_solver,
         "evict": evict_solver,
         # OR-Tools is imported only when this runs (SolverUnavailableError if absent).
         "exact": exact_solver,

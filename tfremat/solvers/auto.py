@@ -7,7 +7,9 @@ Every candidate is scored by the simulator on the real graph. Members, in order:
    optimal (every node once) and returned at once.
 2. Chen et al.'s greedy, swept, over articulation points and over every forward
    value (so ``auto`` is never worse than either baseline on the same problem).
-3. Segment checkpointing with greedy refinement (:mod:`.segments`), up to 1,500 ops.
+3. The dropped set solved whole as a covering MILP (:mod:`.cover`, graphs with a
+   backward phase up to 1,500 ops), and segment checkpointing with greedy
+   refinement (:mod:`.segments`).
 4. Offline eviction planning (:mod:`.evict`): recompute-on-demand with
    future-aware eviction rules and perturbed restarts, pruned by the best cost so
    far; also on the low-peak order of member 1 when there is one, there with the
@@ -58,6 +60,7 @@ from .evict import (
 )
 from .pebble import CONFIGS, LATE_CONFIGS, pebble_min_budget, pebble_plan
 from .segments import segments_solver
+from .cover import cover_schedule
 
 __all__ = ["auto_solver", "auto_reorder_solver"]
 
@@ -97,6 +100,9 @@ PEBBLE_MIN_S = 5.0
 #: Seconds for the pebbling search as a portfolio member (graphs without a backward
 #: phase), with its cheap rules only.
 PEBBLE_MEMBER_S = 3.0
+#: Seconds at most for the covering MILP (graphs with a backward phase up to
+#: LARGE_GRAPH ops): 0.01-0.4 s on the Checkmate graphs where its first solution fits.
+COVER_S = 2.0
 #: Op-level traces: the memory-greedy orders of first computations scored (noise
 #: spreads; 0 is the deterministic order) and the seconds allowed for them.
 TRACE_ORDER_SIGMAS = (0.0,) + (0.3, 1.0, 2.0) * 5
@@ -171,7 +177,8 @@ def _trace_order(problem: Problem, deadline: float) -> list | None:
 
 
 def auto_solver(problem: Problem) -> Plan:
-    """Cheapest plan of the portfolio (orders, Chen sweeps, segments, eviction, polish).
+    """Cheapest plan of the portfolio (orders, Chen sweeps, covering MILP, segments,
+    eviction, polish).
 
     Parameters
     ----------
@@ -302,6 +309,11 @@ def _portfolio(problem: Problem) -> Plan:
         lowest = min(lowest, low)
         offer(plan)
     if not big:
+        # The dropped set solved whole (the sweeps above pick it value by value):
+        # vgg_unet at 0.8, 615 extra where eviction and the CP-SAT polish stop at 655.
+        cover = cover_schedule(problem, min(deadline, time.perf_counter() + COVER_S))
+        if cover is not None:
+            offer(make_plan(problem, cover, "auto", "heuristic"))
         try:
             offer(segments_solver(dataclasses.replace(problem, time_limit_s=max(0.1, limit / 3))))
         except InfeasibleBudgetError as e:
