@@ -133,7 +133,7 @@ def test_registry_is_read_only_and_resolves_names_and_callables():
         get_solver(3)  # type: ignore[arg-type]
     assert tfremat.SOLVERS is SOLVERS
     for name in ("checkpoint_all", "chen_sqrtn", "chen_greedy", "chen_sqrtn_linearized",
-                 "chen_greedy_linearized", "auto"):
+                 "chen_greedy_linearized", "cover", "auto"):
         assert name in SOLVERS
 
 

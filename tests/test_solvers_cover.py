@@ -83,3 +83,21 @@ def test_cover_leaves_graphs_without_a_backward_phase_at_once(monkeypatch):
     monkeypatch.setattr(cover, "_memory_by_op", lambda *a: calls.append(a))
     assert cover.cover_schedule(Problem(g, 10), time.perf_counter() + 60) is None
     assert calls == []
+
+
+@pytest.mark.parametrize("fraction", [0.8, 0.6, 0.4])
+def test_cover_plans_an_op_level_trace_keeping_its_order(fraction):
+    # MatMul -> BiasAdd -> Relu per layer: dropping a Relu alone saves nothing while
+    # its BiasAdd is kept for the recomputation, so this needs the model whose
+    # candidates are the values the backward pass reads (the BiasAdds always dropped).
+    from test_solvers import first_occurrences, op_level_mlp
+
+    g = op_level_mlp()
+    ref = reference_simulation(g)
+    budget = int(fraction * ref.peak_bytes)
+    plan = solve(Problem(g, budget, time_limit_s=5), "cover")
+    assert plan.predicted_peak_bytes <= budget and plan.recomputed
+    assert first_occurrences(plan.schedule) == list(g.graph["order"])
+    for v in g:
+        if not g.nodes[v]["recomputable"]:
+            assert plan.schedule.count(v) == 1

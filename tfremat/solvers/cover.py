@@ -5,8 +5,9 @@ the reference order, every forward value either kept to its last use or dropped 
 its forward uses and recomputed just before its first use by a later phase. Greedy
 rules and sweeps pick the dropped set one value at a time; this solves for it whole.
 
-Model. One binary ``d_v`` per candidate (every droppable forward value with bytes;
-1 = dropped). With every candidate kept the memory at reference position ``j`` is
+Model. One binary ``d_v`` per candidate (1 = dropped; the candidates are the
+droppable forward values a later phase reads, then, as a second model, every
+droppable forward value with bytes). With every candidate kept the memory at reference position ``j`` is
 ``M_j``; dropping ``v`` alone changes it by ``s_vj`` and the cost by ``c_v`` (both
 from the simulator, a recomputation's memory counted at the op it precedes), so
 
@@ -24,8 +25,8 @@ not a proof, since the linear model may also reject sets that would fit.
 Measured on the seven Checkmate training graphs at 0.9-0.6 of the reference peak
 (docs/solvers.md): the first solution fits and is the model's optimum on every
 budget but two, in 0.01-0.4 s; its cost equals the best known plan on every row
-where one fits, and is below the 30 s CP-SAT run's on three (MobileNet at 0.6,
-segnet at 0.7 and 0.8). VGG19 at 0.8, whose plans drop chains of values, finds no
+where one fits, and is below the 30 s CP-SAT run's on two (MobileNet at 0.6,
+segnet at 0.7). VGG19 at 0.8, whose plans drop chains of values, finds no
 fitting set before the deadline: the interactions are what the model leaves out.
 """
 
@@ -37,9 +38,9 @@ import numpy as np
 
 from ..errors import InfeasibleBudgetError
 from ..plan import Plan, Problem
-from ..schedule import checkpoint_schedule
-from ..simulate import reference_simulation, simulate, single_op_lower_bound
+from ..schedule import checkpoint_schedule, saved_activations
 from .baselines import linear_candidates
+from ..simulate import reference_simulation, simulate, single_op_lower_bound
 from .common import make_plan
 
 __all__ = ["cover_schedule", "cover_solver"]
@@ -69,14 +70,37 @@ def _memory_by_op(g, schedule, fixed: int, n: int) -> tuple[np.ndarray, float]:
 def cover_schedule(problem: Problem, deadline: float) -> list | None:
     """The cheapest checkpoint schedule within the budget that the covering MILP finds
     before ``deadline`` (``time.perf_counter()`` seconds), or None.
+
+    Two candidate sets, as their models see different plans: the values a later phase
+    reads (the others are always dropped, recomputed where a kept value needs them),
+    then, with what time is left, every droppable value with bytes. On a traced
+    MLP, dropping a ``Relu`` alone saves nothing when its ``BiasAdd`` is kept (that
+    is held for the recomputation instead), so only the first model fits there; on
+    a traced Swish MLP only the second (docs/solvers.md). On layer-level graphs the
+    two sets are the same.
     """
+    g = problem.graph
+    if all(a.get("phase", "forward") == "forward" for _, a in g.nodes(data=True)):
+        return None  # without a later phase, dropping a value recomputes nothing
+    saved, every = saved_activations(g), linear_candidates(g)
+    best = None
+    for k, cands in enumerate((saved, every) if len(every) > len(saved) else (saved,)):
+        now = time.perf_counter()
+        found = _cover(problem, cands, deadline if k else now + (deadline - now) / 2, best)
+        if found is not None:
+            best = found
+    return None if best is None else best[1]
+
+
+def _cover(problem: Problem, cands: list, deadline: float, best):
+    """The covering MILP over dropping ``cands``: ``(cost, schedule)`` of the cheapest
+    fitting plan found that is cheaper than ``best``, or None."""
     from scipy.optimize import Bounds, LinearConstraint, milp
 
     g, fixed, budget = problem.graph, problem.fixed_bytes, problem.budget_bytes
     order = problem.order
-    cands = linear_candidates(g)
-    if not cands or all(a.get("phase", "forward") == "forward" for _, a in g.nodes(data=True)):
-        return None  # without a later phase, dropping a value recomputes nothing
+    if not cands:
+        return None
     n, m = len(order), len(cands)
     every = set(cands)
     base, base_cost = _memory_by_op(g, checkpoint_schedule(g, every, order), fixed, n)
@@ -96,7 +120,7 @@ def cover_schedule(problem: Problem, deadline: float) -> list | None:
     # A free drop would make the model indifferent to it: a tiny cost keeps the
     # solutions minimal.
     objective = np.maximum(cost, 1e-9 * max(1.0, float(cost.max())))
-    best: tuple[float, list] | None = None
+    found = None
     cuts: list[np.ndarray] = []
     cut_rhs: list[float] = []
     for _ in range(MAX_ROUNDS):
@@ -112,13 +136,13 @@ def cover_schedule(problem: Problem, deadline: float) -> list | None:
         sched = checkpoint_schedule(g, every - {cands[i] for i in np.flatnonzero(drop)}, order)
         sim = simulate(g, sched, fixed)
         if sim.peak_bytes <= budget and (best is None or sim.cost < best[0]):
-            best = (sim.cost, sched)
+            best = found = (sim.cost, sched)
         if best is not None and best[0] <= base_cost + res.fun + 1e-9 * max(1.0, abs(best[0])):
             break  # no solution of the model is cheaper than a plan already found
         # Cut this set off: at least one candidate changes side.
         cuts.append(np.where(drop, -1.0, 1.0))
         cut_rhs.append(1.0 - float(drop.sum()))
-    return None if best is None else best[1]
+    return found
 
 
 def cover_solver(problem: Problem) -> Plan:
