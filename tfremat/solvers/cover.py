@@ -103,7 +103,10 @@ def _cover(problem: Problem, cands: list, deadline: float, best):
         return None
     n, m = len(order), len(cands)
     every = set(cands)
+    t0 = time.perf_counter()
     base, base_cost = _memory_by_op(g, checkpoint_schedule(g, every, order), fixed, n)
+    if (time.perf_counter() - t0) * (m + 1) > deadline - time.perf_counter():
+        return None  # the model's m simulations alone would not fit in the time left
     saving = np.empty((n, m))
     cost = np.empty(m)
     for i, v in enumerate(cands):
