@@ -45,6 +45,7 @@ from ..simulate import reference_simulation, simulate, single_op_lower_bound
 from .baselines import articulation_candidates, greedy_sweep, linear_candidates
 from .common import drop_recomputations, make_plan
 from .bounds import fixed_order_lower_bound
+from .cover import cover_schedule
 from .evict import (
     CONE_VARIANTS,
     KEEP_SOURCE_VARIANTS,
@@ -60,7 +61,6 @@ from .evict import (
 )
 from .pebble import CONFIGS, LATE_CONFIGS, pebble_min_budget, pebble_plan
 from .segments import segments_solver
-from .cover import cover_schedule
 
 __all__ = ["auto_solver", "auto_reorder_solver"]
 

@@ -7,9 +7,10 @@ rules and sweeps pick the dropped set one value at a time; this solves for it wh
 
 Model. One binary ``d_v`` per candidate (1 = dropped; the candidates are the
 droppable forward values a later phase reads, then, as a second model, every
-droppable forward value with bytes). With every candidate kept the memory at reference position ``j`` is
-``M_j``; dropping ``v`` alone changes it by ``s_vj`` and the cost by ``c_v`` (both
-from the simulator, a recomputation's memory counted at the op it precedes), so
+droppable forward value with bytes). With every candidate kept the memory at
+reference position ``j`` is ``M_j``; dropping ``v`` alone changes it by ``s_vj`` and
+the cost by ``c_v`` (both from the simulator, a recomputation's memory counted at the
+op it precedes), so
 
     minimize   sum_v c_v d_v
     subject to sum_v s_vj d_v >= M_j - budget      for every position j.
@@ -39,8 +40,8 @@ import numpy as np
 from ..errors import InfeasibleBudgetError
 from ..plan import Plan, Problem
 from ..schedule import checkpoint_schedule, saved_activations
-from .baselines import linear_candidates
 from ..simulate import reference_simulation, simulate, single_op_lower_bound
+from .baselines import linear_candidates
 from .common import make_plan
 
 __all__ = ["cover_schedule", "cover_solver"]
