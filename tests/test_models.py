@@ -72,6 +72,13 @@ OVER_BUDGET: dict = {
     # and the smallest budget fell from 15.8 MiB.
     ("transformer", 0): "an order the rewrite cannot enforce plus allocator chunk rounding "
                         "(docs/keras.md): up to 0.3 MiB over at the smallest budget + 10 %",
+    # Session 23, one fresh-clone CI run (the whole suite on 2 cores): the first call
+    # measured 52.8 MiB for a 52.6 MiB budget (41.5 predicted, 179 ops recomputed), the
+    # two after it 46.9. The same plan run alone measured 44.0-44.8 on every call, four
+    # times, with and without the covering-MILP member (it is not chosen there). The
+    # executor's interleaving under load; the re-plan after a call covers the later ones.
+    ("cnn_fp16", 0): "the first call can go over under CPU load (docs/keras.md): 0.2 MiB "
+                     "over at the smallest budget + 10 % in one CI run",
 }
 CLOSE_ATOL: dict = {}  # name -> max |diff| for models known not to be bitwise
 
