@@ -81,9 +81,10 @@ def cover_schedule(problem: Problem, deadline: float) -> list | None:
     two sets are the same.
     """
     g = problem.graph
-    if all(a.get("phase", "forward") == "forward" for _, a in g.nodes(data=True)):
-        return None  # without a later phase, dropping a value recomputes nothing
-    saved, every = saved_activations(g), linear_candidates(g)
+    saved = saved_activations(g)
+    if not saved:
+        return None  # no forward value a later phase reads: dropping recomputes nothing
+    every = linear_candidates(g)
     best = None
     for k, cands in enumerate((saved, every) if len(every) > len(saved) else (saved,)):
         now = time.perf_counter()
@@ -100,12 +101,10 @@ def _cover(problem: Problem, cands: list, deadline: float, best):
 
     g, fixed, budget = problem.graph, problem.fixed_bytes, problem.budget_bytes
     order = problem.order
-    if not cands:
-        return None
     n, m = len(order), len(cands)
-    every = set(cands)
+    all_kept = set(cands)
     t0 = time.perf_counter()
-    base, base_cost = _memory_by_op(g, checkpoint_schedule(g, every, order), fixed, n)
+    base, base_cost = _memory_by_op(g, checkpoint_schedule(g, all_kept, order), fixed, n)
     if (time.perf_counter() - t0) * (m + 1) > deadline - time.perf_counter():
         return None  # the model's m simulations alone would not fit in the time left
     saving = np.empty((n, m))
@@ -113,7 +112,7 @@ def _cover(problem: Problem, cands: list, deadline: float, best):
     for i, v in enumerate(cands):
         if time.perf_counter() > deadline:
             return None
-        mem, c = _memory_by_op(g, checkpoint_schedule(g, every - {v}, order), fixed, n)
+        mem, c = _memory_by_op(g, checkpoint_schedule(g, all_kept - {v}, order), fixed, n)
         saving[:, i] = base - mem
         cost[i] = c - base_cost
     need = base - budget
@@ -137,7 +136,7 @@ def _cover(problem: Problem, cands: list, deadline: float, best):
         if res.x is None:  # infeasible model, or no solution in time
             break
         drop = res.x > 0.5
-        sched = checkpoint_schedule(g, every - {cands[i] for i in np.flatnonzero(drop)}, order)
+        sched = checkpoint_schedule(g, all_kept - {cands[i] for i in np.flatnonzero(drop)}, order)
         sim = simulate(g, sched, fixed)
         if sim.peak_bytes <= budget and (best is None or sim.cost < best[0]):
             best = found = (sim.cost, sched)
