@@ -195,3 +195,29 @@ def test_an_update_holding_more_than_its_gradient_keeps_its_program_position():
     # the order with every update first stays beside it, for budgets this one misses
     (other,) = g.graph["other_orders"]
     assert other.index("u2") < other.index("g1") and set(other) == set(order)
+
+
+def test_counted_leaves_out_tensor_lists_of_small_elements():
+    """What an allocator that leaves requests under 256 KiB out of its statistics sees
+    (TensorFlow's default x86 CPU allocator): a TensorList's small elements, each an
+    allocation of its own, weigh nothing; a list of big elements, a small activation
+    and the fixed memory count as before."""
+    kib = 1024
+    recs = [
+        _op("x", "Placeholder", out=[_t(MIB)]),
+        _op("w", "Const", out=[_t(128 * kib)], digest="w"),
+        _op("a", "Relu", ["x:0"], [_t(MIB)]),
+        _op("s", "Mean", ["a:0"], [_t(16 * kib)]),
+        # 64 elements of 8 KiB, and 4 of 256 KiB
+        _op("acc", "While", ["a:0"], [TensorInfo((), "variant", 512 * kib, 64),
+                                      TensorInfo((), "variant", MIB, 4)]),
+        _op("b", "Mul", ["s:0", "acc:0", "w:0"], [_t(MIB)]),
+    ]
+    sg = build_graph(recs, ["x"])
+    assert sg.counted(0) is sg
+    c = sg.counted(256 * kib)
+    assert c.graph.nodes["acc"]["bytes"] == MIB == c.graph.nodes["acc"]["largest_tensor"]
+    assert sg.graph.nodes["acc"]["bytes"] == MIB + 512 * kib  # the original is unchanged
+    assert c.graph.nodes["s"]["bytes"] == 16 * kib  # a single small activation still counts
+    assert c.graph.nodes["a"]["bytes"] == MIB
+    assert c.fixed_bytes == sg.fixed_bytes == MIB + 128 * kib

@@ -130,8 +130,12 @@ def test_an_rnn_step_recomputes_its_loops_exactly_and_under_budget(held_mib):
     tf.config.experimental.enable_op_determinism()
     held = tf.ones((held_mib, 2**18)) + 0.0  # memory the rest of the process holds
     rng = np.random.default_rng(0)
-    x = tf.constant(rng.standard_normal((256, T, 16)).astype("float32"))
-    y = tf.constant(rng.integers(0, 10, (256,)).astype("int32"))
+    # 1024 rows: each accumulator element (1024 x 64 floats) is 256 KiB, which the
+    # default CPU allocator's statistics count (smaller ones it leaves out, and so
+    # does the plan: the loops would hold nothing worth recomputing)
+    rows = 1024
+    x = tf.constant(rng.standard_normal((rows, T, 16)).astype("float32"))
+    y = tf.constant(rng.integers(0, 10, (rows,)).astype("int32"))
 
     ref = _rnn_model()
     ref_losses = [float(ref.train_on_batch(x, y)) for _ in range(3)]
@@ -158,3 +162,32 @@ def test_an_rnn_step_recomputes_its_loops_exactly_and_under_budget(held_mib):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
     assert max(peaks) <= budget, (max(peaks) / 2**20, budget / 2**20)
     del held
+
+
+def test_an_lstm_s_accumulators_are_sized_as_lists_of_per_step_elements():
+    """Each accumulator of the forward loop holds one element per time step, each an
+    allocation of its own (what an allocator leaving small requests out of its
+    statistics sees: ``StepGraph.counted``)."""
+    keras.utils.set_random_seed(0)
+    layer = keras.layers.LSTM(D, return_sequences=True)
+    x = tf.random.stateless_normal((B, T, 16), (1, 2))
+    layer(x)
+
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(layer(x))
+        return tape.gradient(loss, layer.trainable_variables)
+
+    traced = trace(step, (x,))
+    loops = [r for r in traced.records if r.op_type in ("While", "StatelessWhile") and "grad" not in r.name]
+    lists = [t for r in loops for t in r.outputs if t.dtype == "variant" and t.bytes]
+    assert lists, "no accumulator sized: the test would prove nothing"
+    for t in lists:
+        assert t.pieces == T and t.bytes % T == 0 and t.piece_bytes * T == t.bytes
+    unstacked = [t for r in traced.records if r.op_type == "TensorListFromTensor" for t in r.outputs]
+    assert unstacked and all(t.pieces == T for t in unstacked)
+    sg = build_graph(traced.records, traced.arg_placeholders)
+    small = sg.counted(256 * 1024).graph  # B x D floats per element: 8 KiB
+    for r in loops:
+        assert small.nodes[r.name]["bytes"] < sg.graph.nodes[r.name]["bytes"]

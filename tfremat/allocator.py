@@ -43,7 +43,9 @@ MIN_ALLOCATION = 256
 # Ops whose bytes are mostly TensorList elements (a while loop's accumulators, one
 # element per iteration): many requests of an element's size, not one of the total.
 # They are counted at their size outside the pool (an LSTM's 8 KiB elements are
-# under the oneDNN pool's 256 KiB; pooled one by one, they round by 256 bytes).
+# under the oneDNN pool's 256 KiB; pooled one by one, they round by 256 bytes). Where
+# the statistics leave such small elements out, ``StepGraph.counted`` has already
+# given their lists no bytes.
 LIST_OPS = frozenset({"While", "StatelessWhile", "TensorListFromTensor", "TensorListReserve"})
 INITIAL_REGION = 2 << 20
 MAX_INTERNAL_FRAGMENTATION = 128 << 20

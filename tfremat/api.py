@@ -386,6 +386,9 @@ class RematFunction:
             from .scratch import measure_scratch
 
             sg = dataclasses.replace(sg, scratch=measure_scratch(traced, _step_device()))
+        # TensorLists of elements the allocator's statistics leave out weigh nothing
+        # (the budget is measured by those statistics; StepGraph.counted).
+        sg = sg.counted(self._smallest_counted() or 0)
         # The step's own fixed memory, counted from the graph (variables, arguments,
         # constants including the splats Grappler folds into constants), plus the
         # memory the rest of the process holds now (another model, cached tensors).

@@ -148,8 +148,9 @@ def _pushes_fresh_tensor(body, index: int) -> bool:
     return False
 
 
-def _list_bytes(op, index: int, functions: dict) -> int:
-    """Bytes a while loop's TensorList output ``index`` holds when the loop ends.
+def _list_bytes(op, index: int, functions: dict) -> tuple[int, int]:
+    """Bytes a while loop's TensorList output ``index`` holds when the loop ends, and
+    its number of elements (each a separate allocation).
 
     ``while_v2`` saves, for the gradient loop, every intermediate it needs in an
     accumulator: an ``EmptyTensorList`` passed into the loop, one element pushed per
@@ -162,16 +163,16 @@ def _list_bytes(op, index: int, functions: dict) -> int:
     """
     tf = import_tf()
     if index >= len(op.inputs):
-        return 0
+        return 0, 1
     src = _source(op.inputs[index])
     if src.op.type not in _NEW_LIST_OPS:
-        return 0
+        return 0, 1
     shape = tf.get_static_value(src.op.inputs[0])
     if shape is None:
-        return 0
+        return 0, 1
     dims = [int(d) for d in shape.reshape(-1).tolist()]
     if shape.ndim == 0 or any(d < 0 for d in dims):
-        return 0  # unknown element shape (-1 or a -1 dimension)
+        return 0, 1  # unknown element shape (-1 or a -1 dimension)
     if src.op.type == "TensorListReserve":
         v = tf.get_static_value(src.op.inputs[1])
         n = int(v) if v is not None and int(v) >= 0 else None
@@ -181,11 +182,11 @@ def _list_bytes(op, index: int, functions: dict) -> int:
         except (ValueError, AttributeError):
             body = None
         if not _pushes_fresh_tensor(body, index):
-            return 0
+            return 0, 1
         n = _trip_count(op)
     if not n:
-        return 0
-    return int(math.prod(dims) * tf.as_dtype(src.op.get_attr("element_dtype")).size * n)
+        return 0, 1
+    return int(math.prod(dims) * tf.as_dtype(src.op.get_attr("element_dtype")).size * n), int(n)
 
 
 def _loop_cost(op, functions: dict, outputs, variables: dict) -> tuple[float, bool]:
@@ -248,10 +249,12 @@ def _output_infos(op, functions: dict) -> tuple[TensorInfo, ...]:
         info = _tensor_info(t)
         if t.dtype == tf.variant:
             if op.type in _WHILE_OPS:
-                info = TensorInfo((), info.dtype, _list_bytes(op, i, functions))
+                info = TensorInfo((), info.dtype, *_list_bytes(op, i, functions))
             elif op.type == "TensorListFromTensor":
-                # A copy of the tensor, one element per row.
-                info = TensorInfo((), info.dtype, _tensor_info(op.inputs[0]).bytes)
+                # A copy of the tensor, one element per row (the kernel allocates
+                # each row apart).
+                src = _tensor_info(op.inputs[0])
+                info = TensorInfo((), info.dtype, src.bytes, max(1, src.shape[0]) if src.shape else 1)
         infos.append(info)
     return tuple(infos)
 
