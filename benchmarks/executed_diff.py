@@ -28,6 +28,10 @@ import collections
 
 COPY_SEP = "/_remat"
 SCOPE = "remat/"  # the import scope tfremat.emit gives the rewritten step's ops
+# Two-input ops whose inputs may come in either order (IEEE addition and
+# multiplication commute exactly); AddN is not here: its summation order is its
+# input order.
+COMMUTATIVE = frozenset({"Add", "AddV2", "Mul", "Maximum", "Minimum", "Equal", "NotEqual"})
 OWN = ("_remat_fanout", "_remat_sum", "_remat_gate", "_remat_order", "_hold")
 
 
@@ -75,6 +79,8 @@ def signature(node, graph: dict) -> tuple:
         else:
             ins.append((origin(name), slot or "0"))
     fused = tuple(node.attr["fused_ops"].list.s) if "fused_ops" in node.attr else ()
+    if node.op in COMMUTATIVE:  # the same bits in either order
+        ins.sort()
     return node.op, fused, tuple(ins)
 
 

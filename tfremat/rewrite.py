@@ -126,12 +126,35 @@ def _with_fused_producers(schedule: Sequence[Hashable], graph_def, graph: nx.DiG
                     return False
             return True
 
+        def extended_add(u) -> bool:
+            """An Add-family ``u`` rebuilt alone, reading the computations its latest
+            one read: those of its inputs not allowed above stay live until ``v``
+            instead of ``u``'s latest computation, so they may hold no more bytes
+            than it. AddOpsRewrite folds an Add tree (LayerNorm's ``x*s + (b -
+            m*s)``) into one ``AddN`` only when each inner Add has one consumer; two
+            copies of the root reading one copy of the inner Add left it unfolded,
+            and the sum was rounded in another order (the Transformer test model at
+            14.6 MiB: 99 variables up to 7.3e-7 apart after 3 Adam steps)."""
+            if by_name[u].op not in _ADD_FAMILY:
+                return False
+            held = 0
+            for w in dict.fromkeys(data_in.get(u, ())):
+                if w in data_in[v] or by_name[w].op in _CONSTS or not recomputable(w):
+                    continue
+                nbytes = int(graph.nodes[w].get("bytes", 0)) if w in graph else 0
+                if nbytes and by_name[w].op not in _ELEMENTWISE:
+                    return False  # a second reader of a convolution would unfuse it
+                held += nbytes
+            return held <= int(graph.nodes[u].get("bytes", 0))
+
         out: list = []
         for u in dict.fromkeys(data_in.get(v, ())):
             if member(u) and consumers.get(u) == {v}:
                 post.clear()
                 if visit(u, 1):
                     out += [w for w in post if w not in out] + [u]
+                elif extended_add(u) and u not in out:
+                    out.append(u)
         return out
 
     last: dict = {}  # node -> position of its latest computation in ``out``
