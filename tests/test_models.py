@@ -331,6 +331,25 @@ def test_bitwise_equal_to_keras(name):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param(m, marks=_marks(m, NOT_BITWISE, strict=True) + _marks(m, SOMETIMES_NOT_BITWISE))
+     for m in _selected()],
+)
+def test_bitwise_equal_to_keras_at_the_smallest_budget(name):
+    """The same at the smallest budget + 10 % (the run the peak test makes): plans
+    that recompute more meet more of Grappler's rewrites. Found here: the Transformer
+    at 14.6 MiB, 99 variables apart until its Add-tree copies got their own inner
+    Adds (docs/design.md, "Bitwise equality")."""
+    pytest.importorskip("tensorflow")
+    r = _result(name, 0)
+    if r.get("recomputed", 0) == 0:
+        pytest.skip("the plan recomputes nothing")
+    assert r["logs_equal"], (r["losses"], r["ref_losses"])
+    assert r["n_unequal"] == 0, f"{r['n_unequal']}/{r['n_variables']} variables differ, max {r['max_abs_diff']}"
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [m for m in _selected() if m in CLOSE_ATOL])
 def test_close_to_keras_where_not_bitwise(name):
     pytest.importorskip("tensorflow")
