@@ -29,10 +29,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tfremat import InfeasibleBudgetError, Problem, solve  # noqa: E402
+from tfremat import InfeasibleBudgetError, Problem, RematError, solve  # noqa: E402
 from tfremat.io import load_graph  # noqa: E402
 from tfremat.simulate import reference_simulation, single_op_lower_bound  # noqa: E402
 from tfremat.solvers import SOLVERS  # noqa: E402
+from tfremat.solvers.isolate import call_isolated  # noqa: E402
 from tfremat.solvers.bounds import backward_once, once_lower_bound, recompute_lower_bound  # noqa: E402
 
 GRAPHS = ROOT.parent / "shared" / "benchmarks" / "checkmate-graphs"
@@ -66,42 +67,29 @@ def best_known():
     return out
 
 
-def run_one(g, budget, name, time_limit):
+def run_one(g, budget, name, time_limit, mem_gib=None):
+    """Solve one point; with ``mem_gib``, in a child process with that address space.
+
+    Why the cap: a session-9 curves run grew past 21 GB on random_layered_n500's low
+    points with ``exact`` solves in one process (each solve alone: 18 s, 160 MB). A
+    child per solve returns its memory to the system, and a solve that passes the cap
+    fails alone (status "error") instead of taking the machine down.
+    """
     t0 = time.perf_counter()
+    problem = Problem(g, budget, 0, time_limit)
     try:
-        plan = solve(Problem(g, budget, 0, time_limit), name)
+        if mem_gib:
+            plan = call_isolated(solve, problem, name, address_space_bytes=int(mem_gib * 2**30))
+        else:
+            plan = solve(problem, name)
     except InfeasibleBudgetError as e:
         return {"status": "infeasible", "min_feasible": e.min_feasible_bytes,
                 "solve_s": time.perf_counter() - t0}
+    except (MemoryError, RematError) as e:  # over the cap, or the child died
+        return {"status": "error", "error": f"{type(e).__name__}: {e}"[:200]}
     return {"status": plan.status, "cost": plan.cost, "peak": plan.predicted_peak_bytes,
             "lower_bound": plan.cost_lower_bound, "solve_s": time.perf_counter() - t0,
             "recomputations": len(plan.schedule) - g.number_of_nodes()}
-
-
-def _capped(mem_gib):
-    import resource
-
-    cap = int(mem_gib * 2**30)
-    resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
-
-
-def run_one_capped(g, budget, name, time_limit, mem_gib):
-    """``run_one`` in a fresh child process whose address space is capped.
-
-    Why: a session-9 curves run grew past 21 GB on random_layered_n500's low points
-    with ``exact`` solves in one process (each solve alone: 18 s, 160 MB). A child per
-    solve returns its memory to the system, and a solve that passes ``mem_gib`` fails
-    alone (reported as status "error") instead of taking the machine down.
-    """
-    import concurrent.futures as cf
-    import multiprocessing as mp
-
-    with cf.ProcessPoolExecutor(1, mp_context=mp.get_context("spawn"), initializer=_capped,
-                                initargs=(mem_gib,)) as pool:
-        try:
-            return pool.submit(run_one, g, budget, name, time_limit).result()
-        except Exception as e:  # noqa: BLE001 - MemoryError, a killed child: one failed point
-            return {"status": "error", "error": f"{type(e).__name__}: {e}"[:200]}
 
 
 def auto_min_budget(g, lb):
@@ -287,10 +275,7 @@ def cmd_curves(args):
             xs, ys = [], []
             for b in budgets:
                 tl = args.exact_time_limit if name == "exact" else args.time_limit
-                if name == "exact" and args.exact_mem_gib:
-                    r = run_one_capped(g, int(b), name, tl, args.exact_mem_gib)
-                else:
-                    r = run_one(g, int(b), name, tl)
+                r = run_one(g, int(b), name, tl, args.exact_mem_gib if name == "exact" else None)
                 if r["status"] == "error":
                     print(f"{path.name[:28]} {name} at {int(b)}: {r['error']}", flush=True)
                 if r["status"] not in ("infeasible", "error"):

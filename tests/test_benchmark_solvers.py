@@ -1,4 +1,4 @@
-"""The solver benchmark's memory-capped child process (benchmarks/solvers.py curves)."""
+"""The solver benchmark's memory-capped solves (benchmarks/solvers.py curves)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,6 @@ import networkx as nx
 
 
 def _bench():
-    # Imported by name from a path entry (not from a file spec): the spawned child
-    # unpickles run_one by its module name, with the parent's sys.path.
     path = str(Path(__file__).resolve().parents[1] / "benchmarks")
     if path not in sys.path:
         sys.path.insert(0, path)
@@ -29,10 +27,10 @@ def _chain(n=5):
 
 def test_a_capped_solve_returns_the_plan_and_a_solve_over_the_cap_fails_alone():
     bench = _bench()
-    ok = bench.run_one_capped(_chain(), 100, "checkpoint_all", None, 4.0)
+    ok = bench.run_one(_chain(), 100, "checkpoint_all", None, mem_gib=4.0)
     assert ok["status"] == "optimal", ok
     assert ok["cost"] == 5 and ok["peak"] == 20
-    # A cap far under what the child already maps: its next allocation fails, the
-    # point becomes an error row, and the caller goes on.
-    bad = bench.run_one_capped(_chain(100_000), 10**9, "checkpoint_all", None, 1 / 1024)
+    # A cap under what the interpreter needs to start: the child fails, the point
+    # becomes an error row, and the caller goes on.
+    bad = bench.run_one(_chain(), 100, "checkpoint_all", None, mem_gib=1 / 1024)
     assert bad["status"] == "error" and bad["error"]

@@ -26,8 +26,22 @@ def tensorflow_loaded() -> bool:
     return "tensorflow" in sys.modules
 
 
-def call_isolated(func: Callable, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
+def _address_space_cap(cap: int) -> Callable[[], None]:
+    def apply() -> None:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+
+    return apply
+
+
+def call_isolated(func: Callable, *args: Any, timeout: float | None = None,
+                  address_space_bytes: int | None = None, **kwargs: Any) -> Any:
     """Return ``func(*args, **kwargs)`` computed in a child process.
+
+    ``address_space_bytes`` caps the child's address space (POSIX ``RLIMIT_AS``):
+    a call that needs more fails in the child (``MemoryError`` re-raised here, or
+    ``RematError`` if the child died) and leaves this process's memory alone.
 
     Raises
     ------
@@ -44,6 +58,7 @@ def call_isolated(func: Callable, *args: Any, timeout: float | None = None, **kw
         capture_output=True,
         env=env,
         timeout=timeout,
+        preexec_fn=None if address_space_bytes is None else _address_space_cap(address_space_bytes),
     )
     if proc.returncode != 0 or not proc.stdout:
         raise RematError(
