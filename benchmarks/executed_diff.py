@@ -29,9 +29,10 @@ import collections
 COPY_SEP = "/_remat"
 SCOPE = "remat/"  # the import scope tfremat.emit gives the rewritten step's ops
 # Two-input ops whose inputs may come in either order (IEEE addition and
-# multiplication commute exactly); AddN is not here: its summation order is its
+# multiplication commute exactly, and ``(a-b)**2 == (b-a)**2``: IEEE subtraction
+# rounds ``a-b`` to exactly ``-(b-a)``); AddN is not here: its summation order is its
 # input order.
-COMMUTATIVE = frozenset({"Add", "AddV2", "Mul", "Maximum", "Minimum", "Equal", "NotEqual"})
+COMMUTATIVE = frozenset({"Add", "AddV2", "Mul", "Maximum", "Minimum", "Equal", "NotEqual", "SquaredDifference"})
 OWN = ("_remat_fanout", "_remat_sum", "_remat_gate", "_remat_order", "_hold")
 
 

@@ -789,3 +789,51 @@ def test_the_sums_tfremat_adds_take_names_no_op_of_the_step_has():
     assert len(names) == len(set(names))
     assert len([n for n in new.node if n.op == "AddN"]) == 2  # the sum was split
     tf.graph_util.import_graph_def(new, name="check")  # a valid graph
+
+
+def test_an_op_only_control_inputs_set_apart_stays_apart_from_a_copy_of_its_twin():
+    """TensorFlow's swish gradient computes ``beta * x`` again under ``^dy``: the same
+    op as the forward's but for that control input. Once both read one copy of
+    ``x`` (whose chain waits for ``dy``), ``^dy`` is implied and CSE would merge them
+    (EfficientNetB0: the recomputed swish then ran unfused). The gradient's op waits
+    for its control inputs through a preserved NoOp of its own instead; the forward
+    op, and an op reading what the original read, are left as they are."""
+    from tfremat.rewrite import COPY_SEP, _keep_control_twins_apart
+
+    w = tf.Variable(tf.ones((4, 4)))
+
+    @tf.function
+    def f(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.nn.silu(tf.matmul(x, w)))
+        return tape.gradient(loss, w)
+
+    gd, _, ops, _ = _traced(f, tf.ones((4, 4)))
+    by_name = {n.name: n for n in gd.node}
+    muls = [n for n in gd.node if n.op == "Mul" and any("MatMul" in i for i in n.input)]
+    forward = [n.name for n in muls if not any(i.startswith("^") for i in n.input)]
+    gradient = [n.name for n in muls if any(i.startswith("^") for i in n.input)]
+    assert len(forward) == 1 and len(gradient) == 1, [n.name for n in muls]
+    x = next(i for i in by_name[gradient[0]].input if "MatMul" in i)
+
+    def rewritten(readers):
+        new = type(gd)()
+        new.CopyFrom(gd)
+        copy = new.node.add()
+        copy.CopyFrom(by_name[x.split(":")[0]])
+        copy.name = x.split(":")[0] + COPY_SEP + "1"
+        for n in new.node:
+            if n.name in readers:
+                n.input[:] = [copy.name if i == x else i for i in n.input]
+        _keep_control_twins_apart(new, gd)
+        return {n.name: n for n in new.node}
+
+    new = rewritten({forward[0], gradient[0]})
+    (hold,) = [i[1:] for i in new[gradient[0]].input if i.startswith("^") and COPY_SEP in i]
+    assert new[hold].op == "NoOp" and new[hold].attr["_grappler_do_not_remove"].b
+    assert list(new[hold].input) == [i for i in by_name[gradient[0]].input if i.startswith("^")]
+    assert list(new[forward[0]].input) == [copy if i == x else i for i in by_name[forward[0]].input
+                                          for copy in [x.split(":")[0] + COPY_SEP + "1"]]
+    # reading what the original read, its own control input still sets it apart
+    untouched = rewritten({forward[0]})
+    assert list(untouched[gradient[0]].input) == list(by_name[gradient[0]].input)
