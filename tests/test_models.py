@@ -55,11 +55,6 @@ SOMETIMES_NOT_BITWISE: dict = {
     # budgets 74-83 MiB and solver targets 50-100 MiB, old and current code) were all
     # bitwise, so it is not bisected (docs/keras.md). TFREMAT_BUDGET_MIB fixes a budget.
     "cnn_fp16": "some plans differ from Keras' step (a Grappler rewrite no rule covers yet)",
-    # Session 27: at 60 % (feasible since small weights and slots left the counted
-    # fixed memory) 6 of 8 plans differed, 301-727 variables up to 6.4e-4 after 3
-    # steps: re-planned bodies recompute a swish's Sigmoid apart from its Mul, so
-    # oneDNN's Swish fusion does not see the pair (docs/keras.md).
-    "efficientnetb0": "plans that recompute a swish's Sigmoid apart from its Mul run it unfused",
 }
 # The smallest budget + SLACK where 60 % is infeasible (default 10 %). VGG16's weights
 # and Adam slots are half its peak even at 64x64: at the smallest budget + 10 % the

@@ -114,6 +114,31 @@ def test_a_recomputed_swish_product_never_reads_a_sigmoid_of_an_older_input():
     assert out == order + [sig, add, sig, mul]
 
 
+def test_a_recomputed_swish_product_reads_a_sigmoid_recomputed_since_the_last_original_op():
+    """A plan that recomputes the Sigmoid, then runs an original op, then recomputes
+    the product: the rewrite orders each copy behind the ops before it, so the two
+    copies would wait behind different gates on ``y`` and read two tensors
+    (EfficientNetB0's squeeze-excite swishes, re-planned at 60 %: seven ran unfused).
+    The Sigmoid is recomputed again right before the product; copies alone in between
+    do not count."""
+    from tfremat.rewrite import _with_fused_producers
+
+    @tf.function
+    def f(x):
+        y = x + 1.0
+        return tf.reduce_sum(y * tf.sigmoid(y)) + tf.reduce_sum(tf.exp(x))
+
+    gd, g, ops, order = _traced(f, tf.ones((4,)))
+    mul, sig = only(ops, "Mul"), only(ops, "Sigmoid")
+    late = order[-1]  # an original op, run between the two recomputations
+    assert late not in (mul, sig)
+    head = order[:-1]
+    assert _with_fused_producers(head + [sig, late, mul], gd, g) == head + [sig, late, sig, mul]
+    # only copies in between: one gate covers both, nothing added
+    exp = only(ops, "Exp")
+    assert _with_fused_producers(order + [sig, exp, mul], gd, g) == order + [sig, exp, mul]
+
+
 
 def test_a_recomputed_add_tree_root_gets_its_own_inner_add():
     """AddOpsRewrite folds an Add tree into one AddN only where each inner Add has one
