@@ -377,12 +377,24 @@ class StepGraph:
                     (int(b) if piece >= smallest or piece == b else 0, cs)
                     for (b, cs), (_, piece) in zip(readers, sizes))
         # Up to one largest tensor of them stays counted, as room for what the plan's
-        # model misses (the Transformer test model's first call, see above).
+        # model misses (the Transformer test model's first call, see above). The
+        # smallest go first; the ones kept stay resident buffers of the allocator
+        # model too (api._allocator_estimate), so where none is left out nothing
+        # changes (dropping them all from the resident buffers moved their bytes
+        # into its unpooled rest and raised the grouped-convolution test model's
+        # smallest budget by 2.4 MiB, over 80 % of its baseline).
         largest = max((d.get("largest_tensor", d["bytes"]) for _, d in g.nodes(data=True)), default=0)
-        left_out = max(0, small - int(largest))
+        room = max(0, small - int(largest))
+        sizes = list(self.variable_sizes)
+        left_out = 0
+        for i in sorted(range(len(sizes)), key=sizes.__getitem__):
+            if sizes[i] >= smallest or left_out + sizes[i] > room:
+                break
+            left_out += sizes[i]
+            sizes[i] = None
         return dataclasses.replace(
             self, graph=g, fixed_bytes=self.fixed_bytes - left_out, variable_bytes=self.variable_bytes - left_out,
-            variable_sizes=tuple(b for b in self.variable_sizes if b >= smallest))
+            variable_sizes=tuple(b for b in sizes if b is not None))
 
     @functools.cached_property
     def planning_graph(self) -> nx.DiGraph:
