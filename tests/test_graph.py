@@ -251,3 +251,33 @@ def test_counted_leaves_out_tensor_lists_of_small_elements():
     assert c.graph.nodes["s"]["bytes"] == 16 * kib  # a single small activation still counts
     assert c.graph.nodes["a"]["bytes"] == MIB
     assert c.fixed_bytes == sg.fixed_bytes == MIB + 128 * kib
+
+
+def test_an_inplace_op_beside_another_reader_of_its_input_is_not_counted_in_that_buffer():
+    """Two products of one tensor (an additive-attention gradient's ``Tile``), neither an
+    ancestor of the other: the executor runs them side by side, so neither takes the
+    tensor's buffer over. Run as traced (``free``) each is counted in a buffer of its
+    own; the rewrite's ordering (the default accounting) still lets the second take it
+    over. A reader that is an ancestor of the op blocks nothing."""
+    shape = (256, 1024)  # 1 MiB of float32
+    records = [
+        _op("x", "Placeholder", out=[_t(MIB, shape)]),
+        _op("s", "Placeholder", out=[_t(MIB, shape)]),
+        _op("axes", "Const", out=[_t(8, (2,), "int32")], digest="axes"),
+        _op("t", "Neg", ["x:0"], [_t(MIB, shape)]),
+        _op("a", "Sum", ["t:0", "axes:0"], [_t(4, ())]),  # reads t, an ancestor of m2
+        _op("m1", "Mul", ["t:0", "s:0"], [_t(MIB, shape)]),
+        _op("m2", "Mul", ["t:0", "a:0"], [_t(MIB, shape)]),
+        _op("out", "AddV2", ["m1:0", "m2:0"], [_t(MIB, shape)]),
+    ]
+    g = build_graph(records, ["x", "s"]).graph
+    assert g.nodes["m1"]["inplace_blockers"] == {"t": ("a", "m2")}
+    assert g.nodes["m2"]["inplace_blockers"] == {"t": ("m1",)}
+    order = ["x", "s", "axes", "t", "a", "m1", "m2", "out"]
+    # ordered: m2 takes t over (t and m1 live, then m1 and m2)
+    assert simulate(g, order).peak_bytes == 2 * MIB + 4
+    # free: m2 may run beside m1, so t, m1 and m2 are live at once
+    assert simulate(g, order, free=True).peak_bytes == 3 * MIB + 4
+    # a recomputed copy of t for m2 leaves the original to m1 alone: m1 takes it over
+    rec = ["x", "s", "axes", "t", "a", "m1", "t", "m2", "out"]
+    assert simulate(g, rec, free=True).peak_bytes == simulate(g, rec).peak_bytes == 2 * MIB + 4

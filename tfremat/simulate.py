@@ -10,7 +10,10 @@ maximum over ``j``; the cost is the sum of node costs over the sequence.
 
 One optional refinement for TensorFlow graphs: a node with ``inplace=True`` (an
 elementwise kernel that forwards an input buffer) reuses the buffer of an input of
-the same size whose last use it is, so that input is not counted at its position.
+the same size whose last use it is, so that input is not counted at its position;
+with ``free=True`` (an executor left to its own order) and an ``inplace_blockers``
+attribute (input -> readers that may run beside it, ``tfremat.graph``), only where
+none of those reads the same computation.
 Graphs without the attribute (the benchmark files) get the plain accounting.
 """
 
@@ -49,7 +52,7 @@ class Simulation:
     peak_position: int
 
 
-def simulate(graph: nx.DiGraph, schedule: Sequence[Node], fixed_bytes: int = 0) -> Simulation:
+def simulate(graph: nx.DiGraph, schedule: Sequence[Node], fixed_bytes: int = 0, free: bool = False) -> Simulation:
     """Check ``schedule`` against ``graph`` and return its peak memory and cost.
 
     Parameters
@@ -61,6 +64,10 @@ def simulate(graph: nx.DiGraph, schedule: Sequence[Node], fixed_bytes: int = 0) 
         Execution order; repeated ids are recomputations.
     fixed_bytes : int
         Added at every position.
+    free : bool
+        The executor runs without the rewrite's ordering edges (the step as
+        traced): an ``inplace`` op is not counted in an input's buffer that a
+        reader in its ``inplace_blockers`` also reads (:func:`buffer_lifetimes`).
 
     Returns
     -------
@@ -77,7 +84,7 @@ def simulate(graph: nx.DiGraph, schedule: Sequence[Node], fixed_bytes: int = 0) 
         if graph.number_of_nodes():
             raise InvalidScheduleError("empty schedule for a non-empty graph")
         return Simulation(int(fixed_bytes), 0.0, np.zeros(0, np.int64), 0)
-    sizes, last_use, _ = buffer_lifetimes(graph, schedule)
+    sizes, last_use, _ = buffer_lifetimes(graph, schedule, free=free)
     cost = schedule_cost(graph, schedule)
     diff = np.zeros(n + 1, dtype=np.int64)
     np.add.at(diff, np.arange(n), sizes)
@@ -87,7 +94,7 @@ def simulate(graph: nx.DiGraph, schedule: Sequence[Node], fixed_bytes: int = 0) 
     return Simulation(int(memory[pos]), float(cost), memory, pos)
 
 
-def buffer_lifetimes(graph: nx.DiGraph, schedule: Sequence[Node]):
+def buffer_lifetimes(graph: nx.DiGraph, schedule: Sequence[Node], free: bool = False):
     """The buffers of ``schedule``: who allocates what, and until when.
 
     Returns ``(sizes, last_use, takes_over)``: position ``j`` allocates ``sizes[j]``
@@ -95,6 +102,13 @@ def buffer_lifetimes(graph: nx.DiGraph, schedule: Sequence[Node]):
     whose ``inplace`` node forwards an input's buffer (same size, at that input's
     last use) to the position that allocated it (that input's ``last_use`` is then
     one position earlier: the output holds the buffer from there on).
+
+    With ``free`` the step runs without ordering edges, so a takeover also needs
+    that no reader the node's ``inplace_blockers`` names for that input (one that is
+    not its ancestor, so it may run beside it or after it) reads the same
+    computation: TensorFlow forwards a buffer only when nothing else holds it. The
+    rewrite's strict ordering makes each anchored big op wait for the readers of big
+    tensors scheduled before it, so plans it emits keep the plain rule.
 
     Raises
     ------
@@ -106,7 +120,11 @@ def buffer_lifetimes(graph: nx.DiGraph, schedule: Sequence[Node]):
     last_comp: dict = {}
     last_use = np.arange(n, dtype=np.int64)
     sizes = np.empty(n, dtype=np.int64)
-    inplace: list[tuple[int, list[int]]] = []
+    inplace: list[tuple[int, list[tuple[int, Node]]]] = []
+    # The readers of each computation of an input some inplace op may be kept from
+    # taking over (node attribute ``inplace_blockers``, ``tfremat.graph``).
+    watched = {u for _, b in graph.nodes(data="inplace_blockers") if b for u in b} if free else ()
+    readers: dict[int, set] = {}
     for j, v in enumerate(schedule):
         if v not in nodes:
             raise InvalidScheduleError(f"schedule position {j}: unknown node {v!r}")
@@ -124,15 +142,19 @@ def buffer_lifetimes(graph: nx.DiGraph, schedule: Sequence[Node]):
                 )
             if last_use[i] < j:
                 last_use[i] = j
-            bound.append(i)
+            bound.append((i, u))
+            if u in watched:
+                readers.setdefault(i, set()).add(v)
         last_comp[v] = j
         sizes[j] = attrs["bytes"]
         if attrs.get("inplace") and attrs["bytes"] > 0:
             inplace.append((j, bound))
     takes_over: dict[int, int] = {}
     for j, bound in inplace:
-        for i in bound:
-            if last_use[i] == j and sizes[i] == sizes[j]:
+        blockers = (nodes[schedule[j]].get("inplace_blockers") or {}) if free else {}
+        for i, u in bound:
+            if last_use[i] == j and sizes[i] == sizes[j] and not readers.get(i, set()).intersection(
+                    blockers.get(u, ())):
                 last_use[i] = j - 1  # the output takes over this buffer
                 takes_over[j] = i
                 break
