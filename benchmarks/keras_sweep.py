@@ -52,6 +52,11 @@ EXTRA = {
     "mobilenetv3large": (32, (32, 32, 3)),
     "resnext_tiny": (32, (32, 32, 3)),  # grouped convolutions
     "tabular_mlp": (256, (64,)),
+    # session 29: random augmentation layers, shared weights, token mixing, attention
+    "augment_cnn": (32, (32, 32, 3)),
+    "siamese": (32, (32, 32, 6)),
+    "mlp_mixer": (32, (32, 32, 3)),
+    "seq_attention": (32, (64, 16)),
 }
 
 
@@ -188,6 +193,58 @@ def _builders():
             h = L.Dropout(0.1)(L.Activation("relu")(L.BatchNormalization()(L.Dense(width)(h))))
         return keras.Model(inp, L.Dense(10)(L.Concatenate()([h, wide])))
 
+    def augment_cnn():
+        # Keras' random augmentation layers (stateless RNG from a SeedGenerator, an
+        # image transform with no gradient) in front of BatchNorm conv blocks
+        inp = keras.Input(EXTRA["augment_cnn"][1])
+        h = L.RandomFlip("horizontal")(inp)
+        h = L.RandomRotation(0.1)(h)
+        h = L.RandomZoom(0.1)(h)
+        h = L.RandomContrast(0.2)(h)
+        for c in (32, 64):
+            h = L.ReLU()(L.BatchNormalization()(L.Conv2D(c, 3, padding="same")(h)))
+            h = L.ReLU()(L.BatchNormalization()(L.Conv2D(c, 3, padding="same")(h)))
+            h = L.MaxPooling2D()(h)
+        return keras.Model(inp, L.Dense(10)(L.Dropout(0.2)(L.GlobalAveragePooling2D()(h))))
+
+    def siamese():
+        # one tower applied to two halves of the input: every weight's gradient is a
+        # sum over two uses
+        inp = keras.Input(EXTRA["siamese"][1])
+        tower = keras.Sequential([
+            L.Conv2D(32, 3, padding="same", activation="relu"),
+            L.Conv2D(32, 3, padding="same", activation="relu"), L.MaxPooling2D(),
+            L.Conv2D(64, 3, padding="same", activation="relu"), L.GlobalAveragePooling2D(),
+        ])
+        a = tower(L.Lambda(lambda t: t[..., :3])(inp))
+        b = tower(L.Lambda(lambda t: t[..., 3:])(inp))
+        d = L.Concatenate()([L.Lambda(keras.ops.abs)(L.Subtract()([a, b])), L.Multiply()([a, b])])
+        return keras.Model(inp, L.Dense(10)(L.Dense(64, activation="relu")(d)))
+
+    def mlp_mixer(d=64, tokens=64, blocks=2):
+        # MLP-Mixer: token mixing through transposes, GELU MLPs, LayerNorm residuals
+        inp = keras.Input(EXTRA["mlp_mixer"][1])
+        h = L.Reshape((tokens, d))(L.Conv2D(d, 4, strides=4)(inp))
+        for _ in range(blocks):
+            t = L.Permute((2, 1))(L.LayerNormalization()(h))
+            t = L.Dense(tokens)(L.Dense(2 * tokens, activation="gelu")(t))
+            h = L.Add()([h, L.Permute((2, 1))(t)])
+            c = L.Dense(d)(L.Dense(4 * d, activation="gelu")(L.LayerNormalization()(h)))
+            h = L.Add()([h, c])
+        return keras.Model(inp, L.Dense(10)(L.GlobalAveragePooling1D()(L.LayerNormalization()(h))))
+
+    def seq_attention():
+        # dot-product and additive attention between two 1-D conv encodings,
+        # resampled with a transposed convolution
+        inp = keras.Input(EXTRA["seq_attention"][1])
+        q = L.Conv1D(64, 3, padding="same", activation="tanh")(inp)
+        v = L.Conv1D(64, 5, padding="same", activation="softplus")(inp)
+        h = L.Attention(use_scale=True)([q, v])
+        h = L.AdditiveAttention()([h, q])
+        h = L.Conv1DTranspose(32, 3, strides=2, padding="same")(L.MaxPooling1D()(h))
+        h = L.Softmax()(L.UpSampling1D()(L.Conv1D(32, 3, padding="same")(h)))
+        return keras.Model(inp, L.Dense(10)(L.Flatten()(L.AveragePooling1D(4)(h))))
+
     def app(cls, name):
         return lambda: getattr(keras.applications, cls)(weights=None, input_shape=EXTRA[name][1], classes=10)
 
@@ -199,7 +256,8 @@ def _builders():
                inceptionv3=app("InceptionV3", "inceptionv3"), mobilenet=app("MobileNet", "mobilenet"),
                noisy_cnn=noisy_cnn, masked_lstm=masked_lstm,
                mobilenetv3large=app("MobileNetV3Large", "mobilenetv3large"),
-               resnext_tiny=resnext_tiny, tabular_mlp=tabular_mlp)
+               resnext_tiny=resnext_tiny, tabular_mlp=tabular_mlp, augment_cnn=augment_cnn,
+               siamese=siamese, mlp_mixer=mlp_mixer, seq_attention=seq_attention)
     return out
 
 
