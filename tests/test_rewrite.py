@@ -905,3 +905,54 @@ def test_an_op_only_control_inputs_set_apart_stays_apart_from_a_copy_of_its_twin
     # reading what the original read, its own control input still sets it apart
     untouched = rewritten({forward[0]})
     assert list(untouched[gradient[0]].input) == list(by_name[gradient[0]].input)
+
+
+def test_split_sums_order_terms_by_the_names_grappler_sorts_after_dropping_reshapes():
+    """A TimeDistributed convolution's bias gradient sums one reshape chain per frame
+    (``BiasAddGrad`` -> ``Reshape`` -> ``Reshape_<k>``, back to the same shape).
+    Grappler drops such chains before it sorts the sum's inputs, so the original
+    step sums by the names behind them, not by the reshapes' (``Reshape_10`` sorts
+    before ``Reshape_6``): taken in the reshapes' order the sum differed in the 7th
+    digit (``benchmarks/keras_sweep.py convlstm``)."""
+    import numpy as np
+
+    from tfremat.emit import emit
+    from tfremat.rewrite import _split_sums
+    from tfremat.trace import trace
+
+    n = 6
+    rng = np.random.default_rng(7)
+    values = [(rng.standard_normal((64, 33)) * 10.0 ** rng.uniform(-3, 3)).astype("float32") for _ in range(n)]
+    specs = [tf.TensorSpec((64, 33), tf.float32) for _ in range(n)]
+
+    @tf.function(input_signature=specs)
+    def f(*xs):
+        terms = []
+        for k, x in enumerate(xs):
+            t = tf.multiply(x, 3.0, name=f"t{k}")
+            # the reshapes' names sort in another order than the terms' (r10 < r6)
+            r = tf.reshape(t, (1, 64, 33), name=f"q{k}")
+            terms.append(tf.reshape(r, (64, 33), name=f"r{k + 6}"))
+        return tf.raw_ops.AddN(inputs=terms, name="total")
+
+    args = [tf.constant(v) for v in values]
+    traced = trace(f, args, {})
+    gd = traced.graph_def
+    ops = f.get_concrete_function().graph.get_operations()
+    shapes = {op.name: tuple(tuple(o.shape) for o in op.outputs) for op in ops}
+    new = type(gd)()
+    new.CopyFrom(gd)
+    _split_sums(new, gd, shapes)
+
+    nodes = {x.name: x for x in new.node}
+
+    def leaves(name):
+        x = nodes[name.split(":")[0]]
+        if x.op != "AddN":
+            return [name.split(":")[0]]
+        return [leaf for i in x.input if not i.startswith("^") for leaf in leaves(i)]
+
+    assert leaves("total") == [f"r{k + 6}" for k in range(n)]  # t0 .. t5, not r10, r11, r6, ...
+    want = emit(traced, gd)(*args).numpy()
+    got = emit(traced, new)(*args).numpy()
+    assert np.array_equal(want, got)

@@ -647,6 +647,8 @@ def build_graph(
             largest_tensor=int(max((t.bytes for t in r.outputs), default=0)) if out_bytes else 0,
             # each output's bytes and the size of each allocation it is made of
             output_sizes=tuple((int(t.bytes), int(t.piece_bytes)) for t in r.outputs),
+            # each output's static shape (the rewrite: which reshapes Grappler drops)
+            output_shapes=tuple(tuple(t.shape) if t.shape is not None else None for t in r.outputs),
             cost=cost,
             recomputable=recomputable,
             stateful=bool(r.stateful or r.calls_function),

@@ -631,7 +631,7 @@ def rewrite_graph_def(
     _anchor_ordering_edges(new, graph_def, set(gates.values()), dtypes, position, _cse_twins(graph_def, graph),
                            merged=set(twin))
     _restore_fanout(new, graph_def, dtypes, twin)
-    _split_sums(new, graph_def)
+    _split_sums(new, graph_def, {v: d.get("output_shapes") for v, d in graph.nodes(data=True)})
     _keep_control_twins_apart(new, graph_def)
     for w, copies in waits_on_copies.items():
         nodes[w].input.extend("^" + c for c in copies)
@@ -739,7 +739,7 @@ def _fanout_sink(new):
 _FLOAT_DTYPES = frozenset({1, 2, 14, 19})  # float, double, bfloat16, half
 
 
-def _split_sums(new, graph_def) -> None:
+def _split_sums(new, graph_def, shapes: Mapping[str, Sequence] | None = None) -> None:
     """Rewrite a float ``AddN`` of more than two inputs as a tree of two-input
     ``AddN`` ops that sums in the original step's order (in place).
 
@@ -757,7 +757,13 @@ def _split_sums(new, graph_def) -> None:
     (``CanonicalizeNode``), so the original step sums in the order of its input
     names; the tree takes them in that order, by their names in the original step
     (a recomputed input is renamed here). Without the sort, EfficientNetB0 with
-    nothing recomputed differed by 3.1e-3 after 3 steps. The kernel (``AddNOp``)
+    nothing recomputed differed by 3.1e-3 after 3 steps. The names are those left
+    after the arithmetic optimizer drops reshapes to the same shape (``shapes``: op
+    name -> its outputs' static shapes), as it does before it sorts again: a
+    TimeDistributed convolution's bias gradient sums ``Reshape_6`` .. ``Reshape_11``,
+    which Grappler sums as the ``BiasAddGrad`` ops behind them (frame 0 to 5), not
+    in the reshapes' own name order (10, 11, 6, ...): 1.8e-7 after 3 steps
+    (``benchmarks/keras_sweep.py convlstm``). The kernel (``AddNOp``)
     adds the first ``k`` inputs left to right (``k`` = n mod 8, or 8 or 9 where that
     is 0 or 1), then each following group of eight, summed left to right, onto the
     running sum; the tree does the same (tests/test_rewrite.py checks it bitwise).
@@ -775,6 +781,32 @@ def _split_sums(new, graph_def) -> None:
     """
     original = {n.name: [i for i in n.input if not i.startswith("^")] for n in graph_def.node}
     op_of = {n.name: n.op for n in graph_def.node}
+    shapes = shapes or {}
+
+    def shape_of(tensor: str):
+        op, idx = _split(tensor)
+        out = shapes.get(op)
+        k = int(idx[1:]) if idx else 0
+        return out[k] if out and k < len(out) else None
+
+    def sort_name(tensor: str) -> str:
+        # Through a chain of reshapes that ends in the shape it started from: the
+        # arithmetic optimizer folds the chain into one reshape, then drops that.
+        for _ in range(8):
+            top, walk, found = shape_of(tensor), tensor, None
+            for _ in range(8):
+                op = _split(walk)[0]
+                ins = original.get(op)
+                if op_of.get(op) != "Reshape" or not ins:
+                    break
+                walk = ins[0]
+                if top is not None and shape_of(walk) == top:
+                    found = walk
+                    break
+            if found is None:
+                break
+            tensor = found
+        return tensor
     summed = {_split(i)[0] for n in graph_def.node if n.op in _ADD_FAMILY for i in n.input if not i.startswith("^")}
     inner = []
     taken = {n.name for n in new.node}
@@ -786,7 +818,7 @@ def _split_sums(new, graph_def) -> None:
             continue  # part of a larger sum in the original step (see above)
         ctrl = [i for i in n.input if i.startswith("^")]
         names = original.get(n.name)
-        names = names if names is not None and len(names) == len(data) else data
+        names = [sort_name(x) for x in names] if names is not None and len(names) == len(data) else data
         data = [data[j] for j in sorted(range(len(data)), key=names.__getitem__)]
         count = [0]
 
