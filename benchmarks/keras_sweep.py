@@ -57,6 +57,10 @@ EXTRA = {
     "siamese": (32, (32, 32, 6)),
     "mlp_mixer": (32, (32, 32, 3)),
     "seq_attention": (32, (64, 16)),
+    "film_glu": (32, (128, 16)),
+    "einsum_rms": (32, (64, 32)),
+    "convlstm": (8, (6, 16, 16, 3)),
+    "attention2d": (16, (16, 16, 3)),
 }
 
 
@@ -245,6 +249,51 @@ def _builders():
         h = L.Softmax()(L.UpSampling1D()(L.Conv1D(32, 3, padding="same")(h)))
         return keras.Model(inp, L.Dense(10)(L.Flatten()(L.AveragePooling1D(4)(h))))
 
+    def film_glu():
+        # dilated causal convolutions with gated linear units, modulated (FiLM) by a
+        # scale and shift computed from a pooled summary: broadcast products
+        inp = keras.Input(EXTRA["film_glu"][1])
+        h = L.Conv1D(64, 1)(inp)
+        for rate in (1, 2, 4):
+            a = L.Conv1D(64, 3, padding="causal", dilation_rate=rate)(h)
+            b = L.Conv1D(64, 3, padding="causal", dilation_rate=rate, activation="sigmoid")(h)
+            g = L.Multiply()([a, b])
+            ctx = L.GlobalAveragePooling1D(keepdims=True)(g)
+            scale, shift = L.Dense(64)(ctx), L.Dense(64)(ctx)
+            h = L.Add()([h, L.Add()([L.Multiply()([g, scale]), shift])])
+        return keras.Model(inp, L.Dense(10)(L.GlobalMaxPooling1D()(h)))
+
+    def einsum_rms(d=32, blocks=2):
+        # einsum projections (EinsumDense), RMS-scaled LayerNorm, a layer-scale
+        # residual and a squared-ReLU MLP
+        inp = keras.Input(EXTRA["einsum_rms"][1])
+        h = inp
+        for _ in range(blocks):
+            n = L.LayerNormalization(rms_scaling=True)(h)
+            u = L.EinsumDense("btd,df->btf", output_shape=(EXTRA["einsum_rms"][1][0], 4 * d), bias_axes="f")(n)
+            u = L.Lambda(lambda t: keras.ops.square(keras.ops.relu(t)))(u)
+            u = L.EinsumDense("btf,fd->btd", output_shape=(EXTRA["einsum_rms"][1][0], d))(u)
+            h = L.Add()([h, L.Lambda(lambda t: 0.1 * t)(u)])
+        return keras.Model(inp, L.Dense(10)(L.Flatten()(L.MaxPooling1D(4)(h))))
+
+    def convlstm():
+        # a convolutional LSTM (a while loop of convolutions) after per-frame convs
+        inp = keras.Input(EXTRA["convlstm"][1])
+        h = L.TimeDistributed(L.Conv2D(16, 3, padding="same", activation="relu"))(inp)
+        h = L.ConvLSTM2D(16, 3, padding="same", return_sequences=False)(h)
+        h = L.BatchNormalization()(L.Conv2D(32, 3, padding="same", activation="relu")(h))
+        return keras.Model(inp, L.Dense(10)(L.GlobalAveragePooling2D()(h)))
+
+    def attention2d():
+        # attention over both image axes, merged with max and average branches
+        inp = keras.Input(EXTRA["attention2d"][1])
+        h = L.Conv2D(32, 3, padding="same", activation="relu")(inp)
+        a = L.MultiHeadAttention(2, 16, attention_axes=(1, 2))(h, h)
+        m = L.Maximum()([h, a])
+        v = L.Average()([h, L.Conv2D(32, 1)(a)])
+        h = L.Concatenate()([m, v, L.Minimum()([m, v])])
+        return keras.Model(inp, L.Dense(10)(L.GlobalAveragePooling2D()(h)))
+
     def app(cls, name):
         return lambda: getattr(keras.applications, cls)(weights=None, input_shape=EXTRA[name][1], classes=10)
 
@@ -257,7 +306,8 @@ def _builders():
                noisy_cnn=noisy_cnn, masked_lstm=masked_lstm,
                mobilenetv3large=app("MobileNetV3Large", "mobilenetv3large"),
                resnext_tiny=resnext_tiny, tabular_mlp=tabular_mlp, augment_cnn=augment_cnn,
-               siamese=siamese, mlp_mixer=mlp_mixer, seq_attention=seq_attention)
+               siamese=siamese, mlp_mixer=mlp_mixer, seq_attention=seq_attention, film_glu=film_glu,
+               einsum_rms=einsum_rms, convlstm=convlstm, attention2d=attention2d)
     return out
 
 
