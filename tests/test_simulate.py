@@ -7,7 +7,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tfremat.errors import InvalidScheduleError
-from tfremat.simulate import free_running_order, reference_simulation, simulate, single_op_lower_bound
+from tfremat.simulate import (
+    free_running_order,
+    parallel_peak,
+    reference_simulation,
+    simulate,
+    single_op_lower_bound,
+)
 
 from strategies import dags
 
@@ -221,3 +227,29 @@ def test_free_running_order_runs_each_op_as_soon_as_its_inputs_allow():
     simulate(g, order)  # a valid order
     with pytest.raises(InvalidScheduleError):
         free_running_order(g, ["x", "a", "a", "b", "d", "m", "c"])
+
+
+def test_two_threads_run_two_readers_of_one_tensor_side_by_side():
+    """``x`` read by two in-place products: one thread runs them one after the other
+    and the second takes ``x`` over; two threads start both at once, and neither may."""
+    g = nx.DiGraph()
+    for v in ("x", "m1", "m2", "out"):
+        g.add_node(v, bytes=10, cost=2.0, inplace=v != "x")
+    g.add_edges_from([("x", "m1"), ("x", "m2"), ("m1", "out"), ("m2", "out")])
+    order = ["x", "m1", "m2", "out"]
+    assert parallel_peak(g, order, workers=1) == simulate(g, order).peak_bytes == 20
+    assert parallel_peak(g, order, workers=2) == 30
+    assert parallel_peak(g, order, 5, workers=2) == 35  # fixed bytes on top
+    with pytest.raises(InvalidScheduleError):
+        parallel_peak(g, order[:-1])
+
+
+@given(dags(nonrecomputable=False), st.data())
+def test_one_thread_runs_the_order_as_the_simulator_does(g, data):
+    """With one thread every op runs in the order's sequence: the same peak as the
+    simulator's, in-place takeovers included."""
+    for v in g.nodes:
+        g.nodes[v]["inplace"] = data.draw(st.booleans())
+    order = list(g.graph["order"])
+    fixed = data.draw(st.integers(0, 100))
+    assert parallel_peak(g, order, fixed, workers=1) == simulate(g, order, fixed).peak_bytes
