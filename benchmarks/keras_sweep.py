@@ -61,6 +61,12 @@ EXTRA = {
     "einsum_rms": (32, (64, 32)),
     "convlstm": (8, (6, 16, 16, 3)),
     "attention2d": (16, (16, 16, 3)),
+    "swiglu_prenorm": (32, (64, 32)),
+    "preact_fp16": (32, (32, 32, 3)),  # "fp16": the check sets the mixed_float16 policy
+    "sepconv1d": (32, (128, 8)),
+    "bigru_mha": (16, (32, 16)),
+    "cross_attention": (32, (48, 32)),
+    "upsample_fp16": (16, (16, 16, 8)),
 }
 
 
@@ -294,6 +300,65 @@ def _builders():
         h = L.Concatenate()([m, v, L.Minimum()([m, v])])
         return keras.Model(inp, L.Dense(10)(L.GlobalAveragePooling2D()(h)))
 
+    def swiglu_prenorm(d=32, blocks=2):
+        # pre-norm blocks with a SwiGLU feed-forward (silu(x W) * (x V)) and attention
+        inp = keras.Input(EXTRA["swiglu_prenorm"][1])
+        h = inp
+        for _ in range(blocks):
+            n = L.LayerNormalization()(h)
+            h = L.Add()([h, L.MultiHeadAttention(2, d // 2)(n, n)])
+            n = L.LayerNormalization()(h)
+            gate = L.Dense(2 * d, activation="silu")(n)
+            h = L.Add()([h, L.Dense(d)(L.Multiply()([gate, L.Dense(2 * d)(n)]))])
+        return keras.Model(inp, L.Dense(10)(L.GlobalAveragePooling1D()(h)))
+
+    def preact_fp16():
+        # pre-activation residual blocks (BatchNorm, ReLU, conv) under mixed_float16
+        inp = keras.Input(EXTRA["preact_fp16"][1])
+        h = L.Conv2D(32, 3, padding="same")(inp)
+        for c in (32, 64):
+            r = L.Conv2D(c, 3, padding="same")(L.ReLU()(L.BatchNormalization()(h)))
+            r = L.Conv2D(c, 3, padding="same")(L.Dropout(0.1)(L.ReLU()(L.BatchNormalization()(r))))
+            h = L.Add()([L.Conv2D(c, 1)(h) if c != h.shape[-1] else h, r])
+        h = L.GlobalAveragePooling2D()(L.ReLU()(L.BatchNormalization()(h)))
+        return keras.Model(inp, L.Activation("linear", dtype="float32")(L.Dense(10)(h)))
+
+    def sepconv1d():
+        # separable 1-D convolutions, spatial dropout, strided pooling
+        inp = keras.Input(EXTRA["sepconv1d"][1])
+        h = inp
+        for c in (32, 64, 64):
+            h = L.SeparableConv1D(c, 5, padding="same", activation="relu")(h)
+            h = L.SpatialDropout1D(0.1)(L.BatchNormalization()(h))
+            h = L.MaxPooling1D(2)(h)
+        return keras.Model(inp, L.Dense(10)(L.GlobalMaxPooling1D()(h)))
+
+    def bigru_mha():
+        # a bidirectional GRU under self-attention
+        inp = keras.Input(EXTRA["bigru_mha"][1])
+        h = L.Bidirectional(L.GRU(32, return_sequences=True))(inp)
+        h = L.LayerNormalization()(L.Add()([h, L.MultiHeadAttention(2, 16)(h, h)]))
+        return keras.Model(inp, L.Dense(10)(L.GlobalAveragePooling1D()(h)))
+
+    def cross_attention(d=32):
+        # two streams (the input's two halves): one queries the other
+        inp = keras.Input(EXTRA["cross_attention"][1])
+        a = L.Dense(d, activation="gelu")(L.Lambda(lambda t: t[:, :24])(inp))
+        b = L.Dense(d, activation="tanh")(L.Lambda(lambda t: t[:, 24:])(inp))
+        h = L.LayerNormalization()(L.Add()([a, L.MultiHeadAttention(4, d // 4, dropout=0.1)(a, b)]))
+        h = L.Concatenate(axis=1)([h, b])
+        return keras.Model(inp, L.Dense(10)(L.Flatten()(h)))
+
+    def upsample_fp16():
+        # transposed convolutions and nearest upsampling under mixed_float16
+        inp = keras.Input(EXTRA["upsample_fp16"][1])
+        h = L.Conv2DTranspose(32, 3, strides=2, padding="same", activation="relu")(inp)
+        h = L.BatchNormalization()(h)
+        h = L.Conv2D(32, 3, padding="same", activation="relu")(L.UpSampling2D()(h))
+        h = L.Conv2D(16, 3, strides=2, padding="same", activation="elu")(h)
+        h = L.GlobalAveragePooling2D()(h)
+        return keras.Model(inp, L.Activation("linear", dtype="float32")(L.Dense(10)(h)))
+
     def app(cls, name):
         return lambda: getattr(keras.applications, cls)(weights=None, input_shape=EXTRA[name][1], classes=10)
 
@@ -307,7 +372,9 @@ def _builders():
                mobilenetv3large=app("MobileNetV3Large", "mobilenetv3large"),
                resnext_tiny=resnext_tiny, tabular_mlp=tabular_mlp, augment_cnn=augment_cnn,
                siamese=siamese, mlp_mixer=mlp_mixer, seq_attention=seq_attention, film_glu=film_glu,
-               einsum_rms=einsum_rms, convlstm=convlstm, attention2d=attention2d)
+               einsum_rms=einsum_rms, convlstm=convlstm, attention2d=attention2d,
+               swiglu_prenorm=swiglu_prenorm, preact_fp16=preact_fp16, sepconv1d=sepconv1d,
+               bigru_mha=bigru_mha, cross_attention=cross_attention, upsample_fp16=upsample_fp16)
     return out
 
 

@@ -1187,6 +1187,25 @@ def _anchor_ordering_edges(new, graph_def, gate_names, dtypes, position, twins=f
                 return True
         return False
 
+    def swish_sigmoid(u) -> bool:
+        """u is the Sigmoid of a Swish, ``x * sigmoid(x)`` or ``x * sigmoid(beta * x)``:
+        oneDNN fuses the pair unless the Sigmoid has or drives a control edge. Found
+        on a SwiGLU feed-forward (``benchmarks/keras_sweep.py swiglu_prenorm``, 55
+        ops recomputed): the gate's original Sigmoid drove an ordering gate, the pair
+        ran as ``Mul(x, Sigmoid(x))`` instead of ``_MklSwish``, 110 variables up to
+        1.7e-6 after 3 steps."""
+        n = nodes.get(u)
+        if n is None or n.op != "Sigmoid" or not n.input:
+            return False
+        xs = {_split(n.input[0])[0]}
+        p = real_producer(n.input[0])
+        if p is not None and p.op == "Mul":
+            xs |= {_split(i)[0] for i in p.input if not i.startswith("^")}
+        return any(
+            nodes[c].op == "Mul" and any(_split(i)[0] in xs for i in nodes[c].input if not i.startswith("^"))
+            for c in real_consumers(u)
+        )
+
     def limit(v):
         if v in gate_names:
             # a gate runs right before the chain it feeds: bound by its consumers
@@ -1246,7 +1265,7 @@ def _anchor_ordering_edges(new, graph_def, gate_names, dtypes, position, twins=f
             if n is None:
                 continue
             if w != u and w in position and n.op not in _ALIAS_SOURCES and n.op not in _CONSTS \
-                    and not in_group(w) and not sibling_after(w, v):
+                    and not in_group(w) and not swish_sigmoid(w) and not sibling_after(w, v):
                 return w
             for i in n.input:
                 p = _split(i.lstrip("^"))[0]
@@ -1372,9 +1391,10 @@ def _anchor_ordering_edges(new, graph_def, gate_names, dtypes, position, twins=f
             for s in sources(u):
                 if s not in nodes or s == v or runs_before(s, v):
                     continue
-                if in_group(s):
-                    # Driving a control edge would block the merge: a later op that
-                    # is scheduled before v anyway signals instead, or no edge.
+                if in_group(s) or swish_sigmoid(s):
+                    # Driving a control edge would block the merge (or the Swish
+                    # fusion): a later op that is scheduled before v anyway signals
+                    # instead, or no edge.
                     s = safe_successor(s, v) or safe_predecessor(s, v)
                     if s is None or runs_before(s, v):
                         continue
