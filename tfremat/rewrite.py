@@ -790,22 +790,17 @@ def _split_sums(new, graph_def, shapes: Mapping[str, Sequence] | None = None) ->
         return out[k] if out and k < len(out) else None
 
     def sort_name(tensor: str) -> str:
-        # Through a chain of reshapes that ends in the shape it started from: the
-        # arithmetic optimizer folds the chain into one reshape, then drops that.
-        for _ in range(8):
-            top, walk, found = shape_of(tensor), tensor, None
-            for _ in range(8):
-                op = _split(walk)[0]
-                ins = original.get(op)
-                if op_of.get(op) != "Reshape" or not ins:
-                    break
-                walk = ins[0]
-                if top is not None and shape_of(walk) == top:
-                    found = walk
-                    break
-            if found is None:
+        # Down a chain of reshapes, the deepest tensor of the shape it started from:
+        # the arithmetic optimizer folds the chain into one reshape, then drops that.
+        top, walk = shape_of(tensor), tensor
+        for _ in range(64):
+            op = _split(walk)[0]
+            ins = original.get(op)
+            if op_of.get(op) != "Reshape" or not ins:
                 break
-            tensor = found
+            walk = ins[0]
+            if top is not None and shape_of(walk) == top:
+                tensor = walk
         return tensor
     summed = {_split(i)[0] for n in graph_def.node if n.op in _ADD_FAMILY for i in n.input if not i.startswith("^")}
     inner = []
@@ -1295,7 +1290,6 @@ def _anchor_ordering_edges(new, graph_def, gate_names, dtypes, position, twins=f
         became ``(x/6) * g`` instead of the original ``(g/6) * x`` (MinimizeBroadcasts
         pairs the scalar with one operand; which one moved with the gate), 2.6e-4
         after 3 steps. A gated variable read (LayerNorm's scale) is left as it was."""
-        best = None
         if nodes[v].op in _FUSED_AFTER_CONTRACTION and 1 in gateable_inputs(v):
             # The bias: the remapper fuses the contraction on input 0 into the
             # BiasAdd, never the bias, and a control input left on the BiasAdd keeps
@@ -1305,6 +1299,7 @@ def _anchor_ordering_edges(new, graph_def, gate_names, dtypes, position, twins=f
             # ordering edges, ran apart from its convolution copy, and 62 variables
             # differed by up to 2.2e-3 after 3 steps.
             return 1
+        best = None
         for pos in gateable_inputs(v):
             p = nodes[_split(nodes[v].input[pos])[0]]
             if p.op in _STABLE_PRODUCERS:
