@@ -281,3 +281,57 @@ def test_an_inplace_op_beside_another_reader_of_its_input_is_not_counted_in_that
     # a recomputed copy of t for m2 leaves the original to m1 alone: m1 takes it over
     rec = ["x", "s", "axes", "t", "a", "m1", "t", "m2", "out"]
     assert simulate(g, rec, free=True).peak_bytes == simulate(g, rec).peak_bytes == 2 * MIB + 4
+
+
+def _softmax_gradient_records(fwd="fwd/softmax", grad="gradient_tape/sub", divide=False):
+    """``(grad * fwd) * c`` (a softmax gradient times an attention scale): the forward
+    value is ready long before ``grad``, which depends on the loss."""
+    shape = (256, 1024)  # 1 MiB of float32
+    root = (_op("gradient_tape/scale", "RealDiv", ["gradient_tape/mul:0", "c:0"], [_t(MIB, shape)]) if divide
+            else _op("gradient_tape/scale", "Mul", ["gradient_tape/mul:0", "c:0"], [_t(MIB, shape)]))
+    return [
+        _op("x", "Placeholder", out=[_t(MIB, shape)]),
+        _op("c", "Const", out=[_t(4, ())], digest="c"),
+        _op(fwd, "Exp", ["x:0"], [_t(MIB, shape)]),
+        _op("loss", "Sum", [f"{fwd}:0"], [_t(4, ())]),
+        _op("ones", "OnesLike", ["loss:0"], [_t(4, ())]),
+        _op(grad, "Sub", [f"{fwd}:0", "ones:0"], [_t(MIB, shape)]),
+        _op("gradient_tape/mul", "Mul", [f"{grad}:0", f"{fwd}:0"], [_t(MIB, shape)]),
+        root,
+        _op("out", "Neg", ["gradient_tape/scale:0"], [_t(MIB, shape)]),
+    ]
+
+
+@pytest.mark.parametrize("divide", [False, True])
+def test_grappler_regrouping_of_a_product_with_a_constant_is_recorded(divide):
+    """Grappler pairs the scalar with the operand whose name sorts first (the forward
+    value here), so the inner product reads forward values only: as traced it runs as
+    soon as the forward value exists. ``regrouped`` gives the graph those edges; the
+    free-running order then computes it before ``grad`` and holds it."""
+    from tfremat.graph import regrouped
+    from tfremat.simulate import free_running_order
+
+    g = build_graph(_softmax_gradient_records(divide=divide), ["x"]).graph
+    pair, dropped, root, sizes, constants = g.graph["regrouped"]["gradient_tape/mul"]
+    assert set(pair) == {"c", "fwd/softmax"} and dropped == "gradient_tape/sub"
+    assert root == "gradient_tape/scale" and constants == {"c"} and sizes["c"] == 1
+    h = regrouped(g)
+    assert not h.has_edge("gradient_tape/sub", "gradient_tape/mul")
+    assert h.has_edge("gradient_tape/sub", "gradient_tape/scale") and h.has_edge("c", "gradient_tape/mul")
+    assert g.has_edge("gradient_tape/sub", "gradient_tape/mul")  # the planning graph keeps its edges
+    order = [v for v in g.graph["order"] if v in g]
+    as_traced = free_running_order(h, order)
+    assert as_traced.index("gradient_tape/mul") < as_traced.index("gradient_tape/sub")
+    assert free_running_order(g, order).index("gradient_tape/mul") > order.index("gradient_tape/sub")
+
+
+def test_no_regrouping_is_recorded_where_grappler_keeps_the_pairing():
+    """The backward operand's name sorts first: Grappler pairs the scalar with it, which
+    changes nothing the executor sees; nor is a chain whose inner op has two readers
+    rebuilt."""
+    g = build_graph(_softmax_gradient_records(fwd="z/softmax"), ["x"]).graph
+    pair, dropped, *_ = g.graph["regrouped"]["gradient_tape/mul"]
+    assert set(pair) == {"c", "gradient_tape/sub"} and dropped == "z/softmax"  # grad waits as before
+    records = _softmax_gradient_records()
+    records.append(_op("other", "Neg", ["gradient_tape/mul:0"], [_t(MIB, (256, 1024))]))
+    assert build_graph(records, ["x"]).graph.graph["regrouped"] == {}

@@ -416,16 +416,21 @@ class RematFunction:
         prediction. It is also run on as many threads as the executor has
         (:func:`tfremat.simulate.parallel_peak`): a Conv3D + BatchNorm model measured
         36-44 MiB unchanged where the single order gave 34.3, and the threads 42.2.
-        A call measured over the budget still re-plans."""
+        And it is taken with the operands Grappler regroups products by
+        (:func:`tfremat.graph.regrouped`): run as traced, an attention's
+        ``softmax * scale`` is computed in the forward pass and held for the
+        backward pass. A call measured over the budget still re-plans."""
         from .emit import emit
         from .rewrite import RewriteInfo, rewrite_graph_def
+        from .graph import regrouped
         from .simulate import free_running_order, parallel_peak, simulate
 
         if not plan.recomputed:
             target = self.budget_bytes - self._margin(self.budget_bytes, sg.graph) - allowance
-            order = free_running_order(sg.graph, plan.schedule)
-            free = max(simulate(sg.graph, order, plan.fixed_bytes, free=True).peak_bytes,
-                       parallel_peak(sg.graph, order, plan.fixed_bytes, _inter_op_threads()))
+            traced_graph = regrouped(sg.graph)
+            order = free_running_order(traced_graph, plan.schedule)
+            free = max(simulate(traced_graph, order, plan.fixed_bytes, free=True).peak_bytes,
+                       parallel_peak(traced_graph, order, plan.fixed_bytes, _inter_op_threads()))
             if not self.strict or free <= max(target, plan.predicted_peak_bytes):
                 return emit(traced, traced.graph_def), RewriteInfo(copies=0, gates=0, rewired_inputs=0)
         # Big ops float where the schedule runs below its own peak, so the predicted

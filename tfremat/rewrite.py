@@ -633,6 +633,7 @@ def rewrite_graph_def(
     _restore_fanout(new, graph_def, dtypes, twin)
     _split_sums(new, graph_def, {v: d.get("output_shapes") for v, d in graph.nodes(data=True)})
     _keep_control_twins_apart(new, graph_def)
+    _keep_regrouped_pairs_ordered(new, graph_def, graph)
     for w, copies in waits_on_copies.items():
         nodes[w].input.extend("^" + c for c in copies)
     return new, RewriteInfo(copies=n_copies, gates=len(gates), rewired_inputs=n_rewired, floating=n_floating)
@@ -917,6 +918,55 @@ def _keep_control_twins_apart(new, graph_def) -> None:
             hold.device = n.device
         _preserved(hold)
         n.input.append("^" + hold.name)
+
+
+def _keep_regrouped_pairs_ordered(new, graph_def, graph: nx.DiGraph) -> None:
+    """Keep a product Grappler regroups after the operand it loses.
+
+    Grappler rebuilds ``(grad * fwd) * c`` as ``grad * (c * fwd)``
+    (:func:`tfremat.graph._regrouped_pairs`): the inner op then waits for forward
+    values only and runs in the forward pass, holding its output into the backward
+    pass, where the plan put it after ``grad``. The operand it keeps goes through an
+    ``Identity`` gate with a control input on the producer of the operand it loses, so
+    it still runs after it. The pairing follows the leaves' sizes, then names, so the
+    gate is added only where its name sorts where the operand's did (else the
+    arithmetic would change); measured (TF 2.21, CPU): with the gate, the same pairing
+    and the inner op after ``grad``. A SwiGLU model with pre-norm attention (the softmax
+    gradient ``(g * softmax) * scale`` in each block): 9.0-9.5 MiB measured for a
+    7.1 MiB prediction without the gates.
+    """
+    pairs = graph.graph.get("regrouped") or {}
+    if not pairs:
+        return
+    nodes = {n.name: n for n in new.node}
+    originals = {n.name: n for n in graph_def.node}
+    for child, (pair, dropped, root, sizes, fixed) in pairs.items():
+        node, orig, root_node = nodes.get(child), originals.get(child), nodes.get(root)
+        if node is None or orig is None or root_node is None:
+            continue
+        traced = [i for i in orig.input if not i.startswith("^")]
+        now = [i for i in node.input if not i.startswith("^")]
+        if len(traced) != 2 or len(now) != 2 or dropped not in traced:
+            continue
+        k_lost = traced.index(dropped)
+        kept_leaf, lost = now[1 - k_lost], now[k_lost]
+        if traced[1 - k_lost] not in pair or traced[1 - k_lost] in fixed or _split(kept_leaf)[0] == _split(lost)[0]:
+            continue  # a gate would hide a constant from constant folding
+        kept_op, lost_op = _split(traced[1 - k_lost])[0], _split(dropped)[0]
+        if kept_op in graph and lost_op in graph and nx.has_path(graph, lost_op, kept_op):
+            continue  # it waits for the lost operand anyway
+        third = [i for i in root_node.input if not i.startswith("^") and _split(i)[0] != child]
+        if len(third) != 1:
+            continue
+        gate = _fresh(f"{_split(kept_leaf)[0]}{COPY_SEP}_regroup", nodes)
+        ranked = sorted([(sizes[traced[1 - k_lost]], gate), (sizes[dropped], lost),
+                         (sizes[pair[0] if pair[1] == traced[1 - k_lost] else pair[1]], third[0])])
+        if lost == ranked[0][1] or lost == ranked[1][1]:
+            continue  # the gate's name would change the pairing
+        nodes[gate] = _add_identity(new, gate, kept_leaf, node.attr["T"].type, node.device,
+                                    [_split(lost.lstrip("^"))[0]], preserved=True)
+        position = [k for k, i in enumerate(node.input) if i == kept_leaf][0]
+        node.input[position] = gate
 
 
 def _fresh(name: str, taken) -> str:

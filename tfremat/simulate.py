@@ -20,6 +20,7 @@ Graphs without the attribute (the benchmark files) get the plain accounting.
 from __future__ import annotations
 
 import dataclasses
+import graphlib
 from typing import Hashable, Iterable, Sequence
 
 import networkx as nx
@@ -264,7 +265,9 @@ def free_running_order(graph: nx.DiGraph, schedule: Sequence[Node]) -> list:
         if u in pos and v in pos:
             preds[v].append(u)
     depth: dict = {}
-    for v in sorted(pos, key=pos.__getitem__):  # a topological order
+    # graphlib, not schedule order: a graph with the edges Grappler's regrouping
+    # gives (tfremat.graph.regrouped) may read a constant the schedule runs later.
+    for v in graphlib.TopologicalSorter(preds).static_order():
         depth[v] = 1 + max((depth[u] for u in preds[v]), default=-1)
     return sorted(pos, key=lambda v: (depth[v], pos[v]))
 
