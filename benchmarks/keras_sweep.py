@@ -67,6 +67,12 @@ EXTRA = {
     "bigru_mha": (16, (32, 16)),
     "cross_attention": (32, (48, 32)),
     "upsample_fp16": (16, (16, 16, 8)),
+    # session 30: tanh-GELU decoder, squeeze-and-excitation, Mish, a text CNN, Conformer
+    "gpt_tanh_gelu": (32, (64, 16)),
+    "se_resnet": (32, (32, 32, 3)),
+    "mish_cnn": (32, (32, 32, 3)),
+    "textcnn": (64, (80,)),
+    "conformer": (16, (64, 32)),
 }
 
 
@@ -359,6 +365,63 @@ def _builders():
         h = L.GlobalAveragePooling2D()(h)
         return keras.Model(inp, L.Activation("linear", dtype="float32")(L.Dense(10)(h)))
 
+    def gpt_tanh_gelu(d=32, blocks=2):
+        # causal self-attention with attention dropout, tanh-approximated GELU
+        inp = keras.Input(EXTRA["gpt_tanh_gelu"][1])
+        h = L.Dense(d)(inp)
+        for _ in range(blocks):
+            n = L.LayerNormalization()(h)
+            h = L.Add()([h, L.MultiHeadAttention(2, d // 2, dropout=0.1)(n, n, use_causal_mask=True)])
+            n = L.LayerNormalization()(h)
+            u = L.Dense(2 * d, activation=lambda t: keras.activations.gelu(t, approximate=True))(n)
+            h = L.Add()([h, L.Dropout(0.1)(L.Dense(d)(u))])
+        return keras.Model(inp, L.Dense(10)(L.GlobalAveragePooling1D()(h)))
+
+    def se_resnet():
+        # residual blocks with GroupNorm, GELU and squeeze-and-excitation gates
+        inp = keras.Input(EXTRA["se_resnet"][1])
+        h = L.Conv2D(32, 3, padding="same")(inp)
+        for _ in range(2):
+            r = L.Activation("gelu")(L.GroupNormalization(8)(L.Conv2D(32, 3, padding="same")(h)))
+            r = L.GroupNormalization(8)(L.Conv2D(32, 3, padding="same")(r))
+            s = L.Dense(32, activation="sigmoid")(L.Dense(8, activation="relu")(L.GlobalAveragePooling2D()(r)))
+            h = L.Activation("gelu")(L.Add()([h, L.Multiply()([r, L.Reshape((1, 1, 32))(s)])]))
+        return keras.Model(inp, L.Dense(10)(L.GlobalAveragePooling2D()(h)))
+
+    def mish_cnn():
+        # Mish (x * tanh(softplus(x))) and hard-sigmoid activations, BatchNorm, pooling
+        inp = keras.Input(EXTRA["mish_cnn"][1])
+        mish = L.Lambda(lambda t: t * keras.ops.tanh(keras.ops.softplus(t)))
+        h = L.BatchNormalization()(mish(L.Conv2D(32, 3, padding="same")(inp)))
+        h = L.MaxPooling2D()(mish(L.Conv2D(32, 3, padding="same")(h)))
+        h = L.Conv2D(64, 3, padding="same", activation="hard_sigmoid")(h)
+        return keras.Model(inp, L.Dense(10)(L.GlobalAveragePooling2D()(h)))
+
+    def textcnn():
+        # token ids from the input, an embedding, parallel n-gram convolutions
+        inp = keras.Input(EXTRA["textcnn"][1])
+        ids = L.Lambda(lambda t: keras.ops.cast(keras.ops.abs(t) * 300.0, "int32") % 1000)(inp)
+        e = L.Embedding(1000, 32)(ids)
+        pools = [L.GlobalMaxPooling1D()(L.Conv1D(32, k, activation="relu")(e)) for k in (3, 4, 5)]
+        return keras.Model(inp, L.Dense(10)(L.Dropout(0.2)(L.Concatenate()(pools))))
+
+    def conformer(d=32):
+        # a Conformer block: half-step Swish feed-forwards, attention, GLU + depthwise conv
+        inp = keras.Input(EXTRA["conformer"][1])
+
+        def ff(h):
+            u = L.Dense(d)(L.Dense(2 * d, activation="swish")(L.LayerNormalization()(h)))
+            return L.Add()([h, L.Lambda(lambda t: 0.5 * t)(u)])
+
+        h = ff(inp)
+        n = L.LayerNormalization()(h)
+        h = L.Add()([h, L.MultiHeadAttention(2, d // 2)(n, n)])
+        u = L.Dense(2 * d)(L.LayerNormalization()(h))
+        u = L.Lambda(lambda t: t[..., :d] * keras.ops.sigmoid(t[..., d:]))(u)  # GLU
+        u = L.Activation("swish")(L.BatchNormalization()(L.DepthwiseConv1D(7, padding="same")(u)))
+        h = L.LayerNormalization()(ff(L.Add()([h, L.Dense(d)(u)])))
+        return keras.Model(inp, L.Dense(10)(L.GlobalAveragePooling1D()(h)))
+
     def app(cls, name):
         return lambda: getattr(keras.applications, cls)(weights=None, input_shape=EXTRA[name][1], classes=10)
 
@@ -374,7 +437,9 @@ def _builders():
                siamese=siamese, mlp_mixer=mlp_mixer, seq_attention=seq_attention, film_glu=film_glu,
                einsum_rms=einsum_rms, convlstm=convlstm, attention2d=attention2d,
                swiglu_prenorm=swiglu_prenorm, preact_fp16=preact_fp16, sepconv1d=sepconv1d,
-               bigru_mha=bigru_mha, cross_attention=cross_attention, upsample_fp16=upsample_fp16)
+               bigru_mha=bigru_mha, cross_attention=cross_attention, upsample_fp16=upsample_fp16,
+               gpt_tanh_gelu=gpt_tanh_gelu, se_resnet=se_resnet, mish_cnn=mish_cnn, textcnn=textcnn,
+               conformer=conformer)
     return out
 
 
