@@ -105,6 +105,12 @@ def _scratch_case(calibrations: int, measure: bool) -> dict:
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", TF_CPU_ALLOCATOR_USE_BFC="true",
                TF_CPU_BFC_MEM_LIMIT_IN_MB="8192", TF_ENABLE_ONEDNN_OPTS="0")
     code = SCRATCH_CASE.format(here=str(HERE), calibrations=calibrations, measure=measure)
+    return _run_case(code, env)
+
+
+def _run_case(code: str, env=None) -> dict:
+    """Run a case's script in a fresh process; the JSON line it prints last."""
+    env = env or dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -210,10 +216,7 @@ def test_a_plan_that_recomputes_nothing_is_ordered_where_the_executor_order_woul
     the step and holds it to the end. Where that order is over the plan's target, the
     step runs with the plan's ordering edges, nothing recomputed."""
     code = MOMENTUM_CASE.format(here=str(HERE))
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"), timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    r = json.loads(out.stdout.strip().splitlines()[-1])
+    r = _run_case(code)
     assert r["free"] >= r["predicted"] + 4 * 2**20, "the momentum products no longer run early"
     assert r["recomputed"] == 0
     assert max(r["peaks"]) <= r["budget"], f"measured {r['peaks']} over budget {r['budget']:.0f}"
@@ -278,10 +281,7 @@ def test_the_step_as_traced_is_not_counted_in_buffers_that_side_by_side_readers_
     budget the ordered step fits gets the ordering edges (nothing recomputed) and
     measures what the plan predicted: 12.0 MiB where the step as traced ran at 16.0."""
     code = SIDE_BY_SIDE_CASE.format(here=str(HERE))
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"), timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    r = json.loads(out.stdout.strip().splitlines()[-1])
+    r = _run_case(code)
     mib = 2**20
     assert r["plain"] <= r["free"], f"as traced: measured {r['plain'] / mib:.1f} MiB, modelled {r['free'] / mib:.1f}"
     assert r["free"] >= r["ordered"] + 2 * mib, "the two products no longer run side by side in the model"
@@ -347,10 +347,7 @@ def test_products_grappler_regroups_stay_where_the_plan_put_them():
     ``g``: measured 20.5-21.0 MiB for 18.6-19.1 predicted (a 21.9 MiB budget) with the
     gates, 30.5 MiB without."""
     code = REGROUP_CASE.format(here=str(HERE))
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"), timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    r = json.loads(out.stdout.strip().splitlines()[-1])
+    r = _run_case(code)
     mib = 2**20
     assert r["regrouped"] == 5
     # as traced: the regrouped model accounts for what the unregrouped one misses

@@ -274,14 +274,10 @@ def find_loss(g: nx.DiGraph, by_name: dict, update: set) -> str | None:
 SPLAT_OPS = frozenset({"Fill", "ZerosLike", "OnesLike"})
 
 
-def _fold_splat_constants(records, by_name, g) -> int:
-    """Zero the bytes of splat ops Grappler folds; return their bytes, merged.
-
-    Grappler's common-subexpression pass merges equal constants, so folded splats of
-    the same op kind, shape, dtype and value count once.
-    """
-    # Which ops compute from constants and static shapes only: one pass in creation
-    # order (a topological order), so deep graphs need no recursion.
+def _constant_derived(records: Sequence[OpRecord]) -> dict[str, bool]:
+    """Op name -> whether it computes from constants and static shapes only (what
+    Grappler folds). One pass in creation order (a topological order), so deep graphs
+    need no recursion."""
     derived: dict[str, bool] = {}
     for r in records:
         if r.op_type in ("Const", "HostConst") or r.op_type in SHAPE_ONLY_OPS:
@@ -290,6 +286,16 @@ def _fold_splat_constants(records, by_name, g) -> int:
             derived[r.name] = False
         else:
             derived[r.name] = all(derived.get(producer(t), False) for t in r.inputs)
+    return derived
+
+
+def _fold_splat_constants(records, by_name, g) -> int:
+    """Zero the bytes of splat ops Grappler folds; return their bytes, merged.
+
+    Grappler's common-subexpression pass merges equal constants, so folded splats of
+    the same op kind, shape, dtype and value count once.
+    """
+    derived = _constant_derived(records)
 
     seen: set = set()
     total = 0
@@ -512,7 +518,8 @@ def _regrouped_pairs(records: Sequence[OpRecord], by_name: dict) -> dict:
 
     Returns ``inner op -> (the two leaves it reads after the rewrite, the input it no
     longer reads, the chain's root, each leaf's element count, the leaves computed
-    from constants only)`` for the chains of two ops where the pairing changes. Longer chains are left out (their regrouping is not modelled).
+    from constants only)`` for the chains of two ops where the pairing changes.
+    Longer chains are left out (their regrouping is not modelled).
     """
     data_readers: dict = {}
     controlled: set = set()
@@ -530,15 +537,7 @@ def _regrouped_pairs(records: Sequence[OpRecord], by_name: dict) -> dict:
             return None
         return math.prod(src.outputs[idx].shape)
 
-    # Which ops compute from constants only (one pass in creation order).
-    constant: dict[str, bool] = {}
-    for r in records:
-        if r.op_type in ("Const", "HostConst") or r.op_type in SHAPE_ONLY_OPS:
-            constant[r.name] = True
-        elif r.stateful or r.calls_function or r.op_type == "Placeholder" or not r.inputs:
-            constant[r.name] = False
-        else:
-            constant[r.name] = all(constant.get(producer(t), False) for t in r.inputs)
+    constant = _constant_derived(records)
 
     def kind(r) -> str:
         # Constant folding turns a division by a constant into a product by its

@@ -950,7 +950,9 @@ def _keep_regrouped_pairs_ordered(new, graph_def, graph: nx.DiGraph) -> None:
             continue
         k_lost = traced.index(dropped)
         kept_leaf, lost = now[1 - k_lost], now[k_lost]
-        if traced[1 - k_lost] not in pair or traced[1 - k_lost] in fixed or _split(kept_leaf)[0] == _split(lost)[0]:
+        if traced[1 - k_lost] not in pair or _split(kept_leaf)[0] == _split(lost)[0]:
+            continue
+        if traced[1 - k_lost] in fixed:
             continue  # a gate would hide a constant from constant folding
         kept_op, lost_op = _split(traced[1 - k_lost])[0], _split(dropped)[0]
         if kept_op in graph and lost_op in graph and nx.has_path(graph, lost_op, kept_op):
@@ -964,9 +966,8 @@ def _keep_regrouped_pairs_ordered(new, graph_def, graph: nx.DiGraph) -> None:
         if lost == ranked[0][1] or lost == ranked[1][1]:
             continue  # the gate's name would change the pairing
         nodes[gate] = _add_identity(new, gate, kept_leaf, node.attr["T"].type, node.device,
-                                    [_split(lost.lstrip("^"))[0]], preserved=True)
-        position = [k for k, i in enumerate(node.input) if i == kept_leaf][0]
-        node.input[position] = gate
+                                    [_split(lost)[0]], preserved=True)
+        node.input[list(node.input).index(kept_leaf)] = gate
 
 
 def _fresh(name: str, taken) -> str:
