@@ -56,3 +56,15 @@ def test_errors_survive_pickling():
     u = pickle.loads(pickle.dumps(tfremat.UnknownShapeError("x:0", "(None, 3)")))
     assert u.tensor_name == "x:0"
     assert str(pickle.loads(pickle.dumps(tfremat.RematError("plain")))) == "plain"
+
+
+def test_what_the_child_prints_to_stdout_does_not_break_its_result():
+    """HiGHS prints from C to file descriptor 1 at low budgets (a generated residual
+    training graph at 0.6 of its peak, ``exact``'s covering warm start): the child
+    sends its result on the original stdout and everything else goes to stderr."""
+    import os
+
+    from tfremat.solvers.isolate import call_isolated
+
+    noise = b"HighsMipSolverData::transformNewIntegerFeasibleSolution tmpSolver.run();\n"
+    assert call_isolated(os.write, 1, noise) == len(noise)

@@ -72,6 +72,14 @@ def call_isolated(func: Callable, *args: Any, timeout: float | None = None,
 
 
 def _main() -> None:
+    # The result goes back on the original stdout; everything else written to fd 1
+    # goes to stderr. HiGHS prints progress lines from C at low budgets
+    # (``HighsMipSolverData::transformNewIntegerFeasibleSolution``), which would
+    # otherwise sit in front of the pickle and break the parent's load (found on a
+    # generated residual training graph at 0.6 of its peak, benchmarks/solver_sweep.py).
+    result_out = os.fdopen(os.dup(1), "wb")
+    sys.stdout.flush()
+    os.dup2(2, 1)
     module, qualname, args, kwargs = pickle.loads(sys.stdin.buffer.read())
     func = importlib.import_module(module)
     for part in qualname.split("."):
@@ -80,8 +88,8 @@ def _main() -> None:
         result = (True, func(*args, **kwargs))
     except Exception as e:  # noqa: BLE001 - shipped back to the parent and re-raised
         result = (False, e)
-    sys.stdout.buffer.write(pickle.dumps(result))
-    sys.stdout.buffer.flush()
+    result_out.write(pickle.dumps(result))
+    result_out.flush()
 
 
 if __name__ == "__main__":
