@@ -1045,3 +1045,42 @@ def test_a_product_grappler_regroups_keeps_waiting_for_the_operand_it_loses(fwd_
         assert gates == []
     out, expected = emit(traced, new)(x, y), f(x, y)
     assert all(bool(tf.reduce_all(tf.equal(a, b))) for a, b in zip(out, expected))
+
+
+@pytest.mark.parametrize("late", [False, True])
+def test_an_ordering_edge_never_renames_the_base_of_a_power_grappler_turns_into_products(late):
+    """tanh-GELU's ``0.044715 * x**3``: the arithmetic optimizer turns ``Pow(x, 3)``
+    into ``x * Square(x)`` and pairs the constant with the operand whose name sorts
+    first (``A`` here, before the ``Gelu/ArithmeticOptimizer/...`` square). An ordering
+    edge onto the ``Pow`` must not put a gate in front of ``x``: the gate's name
+    (``Gelu/Pow/_remat_order``) sorts after the square's, the pairing flips and the
+    step computes other bits (a GPT-style decoder: 2.4e-6 after 3 steps). The
+    ``Pow`` is a product like any other: the edge moves off it (or is dropped)."""
+    from tfremat.emit import emit
+    from tfremat.trace import trace
+
+    @tf.function
+    def f(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            a = tf.sin(x, name="A")
+            h = tf.nn.gelu(a, approximate=True)
+            loss = tf.reduce_sum(h * tf.cos(x, name="Late"))
+        return loss, tape.gradient(loss, x)
+
+    x = tf.random.stateless_normal((64, 64), (3, 4)) * 3.0
+    traced = trace(f, (x,), {})
+    gd, ops = traced.graph_def, {n.name: n.op for n in traced.graph_def.node}
+    order = list(build_graph(traced.records, traced.arg_placeholders).graph.graph["order"])
+    power = "Gelu/Pow"
+    assert ops[power] == "Pow"
+    source = "Late" if late else "Gelu/mul"
+    assert ops[source] in ("Mul", "Cos")
+    nodes = _anchored(gd, order, [(power, source)])
+    assert not any("_remat_order" in i for i in nodes[power].input)
+    new = type(gd)()
+    new.node.extend(nodes.values())
+    new.library.CopyFrom(gd.library)
+    new.versions.CopyFrom(gd.versions)
+    out, expected = emit(traced, new)(x), f(x)
+    assert all(bool(tf.reduce_all(tf.equal(a, b))) for a, b in zip(out, expected))
