@@ -101,3 +101,16 @@ def test_cover_plans_an_op_level_trace_keeping_its_order(fraction):
     for v in g:
         if not g.nodes[v]["recomputable"]:
             assert plan.schedule.count(v) == 1
+
+
+def test_a_single_candidate_set_gets_the_whole_time(monkeypatch):
+    """On a layer-level graph the two candidate sets (values a later phase reads,
+    every droppable value) are the same: the one model solved gets all the time,
+    not the half kept for a second (a generated DenseNet training graph at 0.6 of its
+    peak needed 1.5-2.5 s of ``auto``'s 2 s and got 1 s: 12 % more compute)."""
+    g = chain_step()
+    deadlines = []
+    monkeypatch.setattr(cover, "_cover", lambda problem, cands, deadline, best: deadlines.append(deadline))
+    end = time.perf_counter() + 100.0
+    cover.cover_schedule(Problem(g, 40), end)
+    assert deadlines == [end]

@@ -86,9 +86,15 @@ def cover_schedule(problem: Problem, deadline: float) -> list | None:
         return None  # no forward value a later phase reads: dropping recomputes nothing
     every = linear_candidates(g)
     best = None
-    for k, cands in enumerate((saved, every) if len(every) > len(saved) else (saved,)):
+    sets = (saved, every) if len(every) > len(saved) else (saved,)
+    for k, cands in enumerate(sets):
+        # Half the time for the first of two sets; a single set gets all of it (on
+        # layer-level graphs the sets are the same: a generated DenseNet training
+        # graph at 0.6 of its peak found its plan, 11 % cheaper than eviction's, in
+        # 1.5-2.5 s, and the halved second left it none within auto's 2 s).
         now = time.perf_counter()
-        found = _cover(problem, cands, deadline if k else now + (deadline - now) / 2, best)
+        last = k == len(sets) - 1
+        found = _cover(problem, cands, deadline if last else now + (deadline - now) / 2, best)
         if found is not None:
             best = found
     return None if best is None else best[1]
