@@ -73,6 +73,12 @@ EXTRA = {
     "mish_cnn": (32, (32, 32, 3)),
     "textcnn": (64, (80,)),
     "conformer": (16, (64, 32)),
+    # session 31: grouped-query attention with RMSNorm, SELU with alpha dropout, unit
+    # normalization with PReLU, transposed 1-D convolutions
+    "gqa_rmsnorm": (32, (64, 32)),
+    "selu_alpha": (1024, (256,)),
+    "unitnorm_prelu": (32, (32, 32, 3)),
+    "conv1d_transpose": (128, (256, 16)),
 }
 
 
@@ -377,6 +383,48 @@ def _builders():
             h = L.Add()([h, L.Dropout(0.1)(L.Dense(d)(u))])
         return keras.Model(inp, L.Dense(10)(L.GlobalAveragePooling1D()(h)))
 
+    def gqa_rmsnorm(d=32, blocks=2):
+        # pre-RMSNorm blocks with grouped-query attention (4 query heads, 2 key/value
+        # heads) and a squared-ReLU feed-forward written as a power
+        inp = keras.Input(EXTRA["gqa_rmsnorm"][1])
+        h = inp
+        for _ in range(blocks):
+            n = L.RMSNormalization()(h)
+            h = L.Add()([h, L.GroupQueryAttention(d // 4, 4, 2)(n, n)])
+            n = L.RMSNormalization()(h)
+            u = L.Lambda(lambda t: keras.ops.power(keras.ops.relu(t), 2.0))(L.Dense(2 * d)(n))
+            h = L.Add()([h, L.Dense(d)(u)])
+        return keras.Model(inp, L.Dense(10)(L.GlobalAveragePooling1D()(h)))
+
+    def selu_alpha():
+        # a self-normalizing MLP: SELU, lecun_normal, AlphaDropout
+        inp = keras.Input(EXTRA["selu_alpha"][1])
+        h = inp
+        for w in (256, 256, 128):
+            h = L.AlphaDropout(0.1)(L.Dense(w, activation="selu", kernel_initializer="lecun_normal")(h))
+        return keras.Model(inp, L.Dense(10)(h))
+
+    def unitnorm_prelu():
+        # PReLU and LeakyReLU convolutions, an L2-normalized embedding (UnitNormalization)
+        inp = keras.Input(EXTRA["unitnorm_prelu"][1])
+        h = L.PReLU(shared_axes=[1, 2])(L.Conv2D(32, 3, padding="same")(inp))
+        h = L.LeakyReLU(0.1)(L.Conv2D(32, 3, padding="same")(h))
+        h = L.MaxPooling2D()(L.BatchNormalization()(h))
+        h = L.PReLU()(L.Conv2D(64, 3, padding="same")(h))
+        e = L.UnitNormalization()(L.Dense(32)(L.GlobalAveragePooling2D()(h)))
+        return keras.Model(inp, L.Dense(10)(e))
+
+    def conv1d_transpose():
+        # a 1-D encoder-decoder: strided and transposed convolutions, padding and
+        # cropping, spatial dropout
+        inp = keras.Input(EXTRA["conv1d_transpose"][1])
+        h = L.ZeroPadding1D(2)(inp)
+        h = L.Conv1D(32, 5, strides=2, activation="relu")(h)
+        h = L.SpatialDropout1D(0.1)(L.Conv1D(64, 3, strides=2, padding="same", activation="relu")(h))
+        h = L.Conv1DTranspose(32, 3, strides=2, padding="same", activation="relu")(h)
+        h = L.Cropping1D((1, 1))(L.UpSampling1D(2)(h))
+        return keras.Model(inp, L.Dense(10)(L.GlobalMaxPooling1D()(h)))
+
     def se_resnet():
         # residual blocks with GroupNorm, GELU and squeeze-and-excitation gates
         inp = keras.Input(EXTRA["se_resnet"][1])
@@ -439,7 +487,8 @@ def _builders():
                swiglu_prenorm=swiglu_prenorm, preact_fp16=preact_fp16, sepconv1d=sepconv1d,
                bigru_mha=bigru_mha, cross_attention=cross_attention, upsample_fp16=upsample_fp16,
                gpt_tanh_gelu=gpt_tanh_gelu, se_resnet=se_resnet, mish_cnn=mish_cnn, textcnn=textcnn,
-               conformer=conformer)
+               conformer=conformer, gqa_rmsnorm=gqa_rmsnorm, selu_alpha=selu_alpha,
+               unitnorm_prelu=unitnorm_prelu, conv1d_transpose=conv1d_transpose)
     return out
 
 
@@ -471,6 +520,10 @@ VARIANTS = {
     "binary_auc": lambda k: dict(
         loss=k.losses.BinaryCrossentropy(from_logits=True),
         metrics=[k.metrics.AUC(from_logits=True), k.metrics.BinaryAccuracy(threshold=0.0)]),
+    # session 31: a focal loss (a power of the probabilities, clipped logs)
+    "focal_loss": lambda k: dict(
+        loss=k.losses.BinaryFocalCrossentropy(from_logits=True, gamma=2.0, apply_class_balancing=True),
+        metrics=[k.metrics.BinaryAccuracy(threshold=0.0)]),
     "custom_train_step": lambda k: {},
     "bf16": lambda k: {},
 }
@@ -509,7 +562,7 @@ def _variant_builders():
         h = cnn_body(inp, regularize=name == "regularized")
         if name == "multi_output":
             return keras.Model(inp, [L.Dense(10)(h), L.Dense(1)(h)])
-        if name == "binary_auc":
+        if name in ("binary_auc", "focal_loss"):
             return keras.Model(inp, L.Dense(1, dtype="float32")(h))
         if name == "regularized":
             return keras.Model(inp, L.Dense(10, activity_regularizer=keras.regularizers.L1(1e-5))(h))
@@ -539,7 +592,7 @@ def _data(name, batch, shape):
         extra = dict(sample_weight=tf.constant(rng.uniform(0.1, 2.0, (batch,)).astype("float32")))
     elif name == "multi_output":
         y = (y, tf.constant(rng.standard_normal((batch, 1)).astype("float32")))
-    elif name == "binary_auc":
+    elif name in ("binary_auc", "focal_loss"):
         y = tf.constant(rng.integers(0, 2, (batch, 1)).astype("float32"))
     return x, y, extra
 
