@@ -34,3 +34,33 @@ def test_a_capped_solve_returns_the_plan_and_a_solve_over_the_cap_fails_alone():
     # becomes an error row, and the caller goes on.
     bad = bench.run_one(_chain(), 100, "checkpoint_all", None, mem_gib=1 / 1024)
     assert bad["status"] == "error" and bad["error"]
+
+
+def test_the_generated_held_out_graphs_are_valid_training_and_layered_graphs():
+    """benchmarks/solver_sweep.py's graphs: DAGs in reference order, the training ones
+    with one gradient per forward layer reading its layer's output, the layered ones
+    with one source and one sink; the same graphs from the same seeds."""
+    path = str(Path(__file__).resolve().parents[1] / "benchmarks")
+    if path not in sys.path:
+        sys.path.insert(0, path)
+    sweep = importlib.import_module("solver_sweep")
+    from tfremat.simulate import check_precedences
+
+    graphs = sweep.graphs()
+    assert {k for k in graphs if k.startswith("train_")} and {k for k in graphs if k.startswith("layered_")}
+    for name, g in graphs.items():
+        assert nx.is_directed_acyclic_graph(g)
+        check_precedences(g, g.graph["order"])
+        phases = {a["phase"] for _, a in g.nodes(data=True)}
+        if name.startswith("train_"):
+            assert phases == {"forward", "backward"}
+            fwd = [v for v, a in g.nodes(data=True) if a["phase"] == "forward"]
+            bwd = [v for v, a in g.nodes(data=True) if a["phase"] == "backward"]
+            assert len(bwd) == len(fwd) - 2  # every layer but the input, not the loss
+            assert all(any(g.nodes[u]["phase"] == "forward" for u in g.predecessors(b)) for b in bwd)
+        else:
+            assert phases == {"forward"}
+            assert sum(1 for v in g if g.in_degree(v) == 0) == 1
+            assert sum(1 for v in g if g.out_degree(v) == 0) == 1
+    again = sweep.graphs()
+    assert all(nx.utils.graphs_equal(g, again[k]) for k, g in graphs.items())
