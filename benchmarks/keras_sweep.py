@@ -88,6 +88,16 @@ def _builders():
     L = keras.layers
     out = _test_builders()
 
+    def prenorm_blocks(h, blocks, norm, attention, feed_forward):
+        """Pre-norm residual blocks: ``h + attention(norm(h))``, then
+        ``h + feed_forward(norm(h))``; ``norm`` makes a new normalization layer."""
+        for _ in range(blocks):
+            n = norm()(h)
+            h = L.Add()([h, attention(n)])
+            n = norm()(h)
+            h = L.Add()([h, feed_forward(n)])
+        return h
+
     def conv1d_attention():
         inp = keras.Input(EXTRA["conv1d_attention"][1])
         h = inp
@@ -315,13 +325,12 @@ def _builders():
     def swiglu_prenorm(d=32, blocks=2):
         # pre-norm blocks with a SwiGLU feed-forward (silu(x W) * (x V)) and attention
         inp = keras.Input(EXTRA["swiglu_prenorm"][1])
-        h = inp
-        for _ in range(blocks):
-            n = L.LayerNormalization()(h)
-            h = L.Add()([h, L.MultiHeadAttention(2, d // 2)(n, n)])
-            n = L.LayerNormalization()(h)
+
+        def swiglu(n):
             gate = L.Dense(2 * d, activation="silu")(n)
-            h = L.Add()([h, L.Dense(d)(L.Multiply()([gate, L.Dense(2 * d)(n)]))])
+            return L.Dense(d)(L.Multiply()([gate, L.Dense(2 * d)(n)]))
+
+        h = prenorm_blocks(inp, blocks, L.LayerNormalization, lambda n: L.MultiHeadAttention(2, d // 2)(n, n), swiglu)
         return keras.Model(inp, L.Dense(10)(L.GlobalAveragePooling1D()(h)))
 
     def preact_fp16():
@@ -375,25 +384,28 @@ def _builders():
         # causal self-attention with attention dropout, tanh-approximated GELU
         inp = keras.Input(EXTRA["gpt_tanh_gelu"][1])
         h = L.Dense(d)(inp)
-        for _ in range(blocks):
-            n = L.LayerNormalization()(h)
-            h = L.Add()([h, L.MultiHeadAttention(2, d // 2, dropout=0.1)(n, n, use_causal_mask=True)])
-            n = L.LayerNormalization()(h)
+
+        def attention(n):
+            return L.MultiHeadAttention(2, d // 2, dropout=0.1)(n, n, use_causal_mask=True)
+
+        def gelu_mlp(n):
             u = L.Dense(2 * d, activation=lambda t: keras.activations.gelu(t, approximate=True))(n)
-            h = L.Add()([h, L.Dropout(0.1)(L.Dense(d)(u))])
+            return L.Dropout(0.1)(L.Dense(d)(u))
+
+        h = prenorm_blocks(h, blocks, L.LayerNormalization, attention, gelu_mlp)
         return keras.Model(inp, L.Dense(10)(L.GlobalAveragePooling1D()(h)))
 
     def gqa_rmsnorm(d=32, blocks=2):
         # pre-RMSNorm blocks with grouped-query attention (4 query heads, 2 key/value
         # heads) and a squared-ReLU feed-forward written as a power
         inp = keras.Input(EXTRA["gqa_rmsnorm"][1])
-        h = inp
-        for _ in range(blocks):
-            n = L.RMSNormalization()(h)
-            h = L.Add()([h, L.GroupQueryAttention(d // 4, 4, 2)(n, n)])
-            n = L.RMSNormalization()(h)
+
+        def squared_relu_mlp(n):
             u = L.Lambda(lambda t: keras.ops.power(keras.ops.relu(t), 2.0))(L.Dense(2 * d)(n))
-            h = L.Add()([h, L.Dense(d)(u)])
+            return L.Dense(d)(u)
+
+        h = prenorm_blocks(inp, blocks, L.RMSNormalization,
+                           lambda n: L.GroupQueryAttention(d // 4, 4, 2)(n, n), squared_relu_mlp)
         return keras.Model(inp, L.Dense(10)(L.GlobalAveragePooling1D()(h)))
 
     def selu_alpha():

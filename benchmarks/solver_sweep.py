@@ -294,7 +294,8 @@ def main() -> None:
     rows, flags = [], []
     print("| graph | nodes | fraction | auto extra | best other extra (solver) | auto / best | auto s | notes |")
     print("|---|---|---|---|---|---|---|---|")
-    for gname, g in _selected(args.graphs):
+    selected = list(_selected(args.graphs))
+    for gname, g in selected:
         for f in args.fractions:
             row, line, notes = _point(gname, g, f, args.exact_time_limit, names)
             rows.append(row)
@@ -302,7 +303,7 @@ def main() -> None:
             print(line, flush=True)
     print("\n| graph | proven bound | auto's smallest budget | / bound |")
     print("|---|---|---|---|")
-    for gname, g in _selected(args.graphs):
+    for gname, g in selected:
         line, notes = _smallest(gname, g)
         flags += notes
         print(line, flush=True)
