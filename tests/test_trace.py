@@ -261,3 +261,22 @@ def test_the_outputs_of_an_xla_call_are_planned_apart():
         assert any(b == conv and all(g.nodes[c]["phase"] == "forward" for c in cs) for b, cs in readers)
     h = with_call_outputs(g)
     assert reference_simulation(h).peak_bytes < reference_simulation(g).peak_bytes
+
+
+def test_written_variables_are_those_given_to_anything_but_a_read():
+    from tfremat.trace import written_variables
+
+    read, assigned, applied, in_cond, gathered = (tf.Variable(tf.ones((4, 4))) for _ in range(5))
+
+    @tf.function
+    def step(x, flag):
+        y = x @ read + tf.gather(gathered, [0, 1], axis=0)[0]
+        assigned.assign_add(y)
+        applied.assign_sub(0.1 * applied * y)  # read and written
+        # a branch's body is not looked into: given the handle, it counts
+        tf.cond(flag, lambda: in_cond.assign(y).read_value(), lambda: y)
+        return tf.reduce_sum(y)
+
+    traced = trace(step, (tf.ones((4, 4)), tf.constant(True)))
+    got = {id(v) for v in written_variables(traced)}
+    assert got == {id(assigned), id(applied), id(in_cond)}

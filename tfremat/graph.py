@@ -160,8 +160,9 @@ def is_variable_write(op_type: str) -> bool:
     return op_type.startswith(WRITE_PREFIXES)
 
 
-# Ops given a variable's handle that only read it (not writers, for _loop_writers).
-_READS = frozenset({"ReadVariableOp", "VariableShape"})
+# Ops given a variable's handle that only read it (not writers: _loop_writers,
+# tfremat.trace.written_variables).
+VARIABLE_READS = frozenset({"ReadVariableOp", "VariableShape", "ResourceGather", "ResourceGatherNd"})
 
 
 def _loop_writers(g: nx.DiGraph, records, by_name: dict) -> None:
@@ -185,7 +186,7 @@ def _loop_writers(g: nx.DiGraph, records, by_name: dict) -> None:
                 continue
             for w in g.successors(rec.name):
                 wr = by_name.get(w)
-                if w != r.name and wr is not None and not (wr.op_type in _READS or wr.pure_loop):
+                if w != r.name and wr is not None and not (wr.op_type in VARIABLE_READS or wr.pure_loop):
                     writers.add(w)
         if writers:
             g.nodes[r.name]["writers"] = tuple(sorted(writers))

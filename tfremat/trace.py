@@ -484,6 +484,29 @@ def _variable_elements(cf, captures) -> dict[str, tuple[int, int]]:
     return {name: by_handle[id(ext)] for ext, name in captures if id(ext) in by_handle}
 
 
+def written_variables(traced: TracedStep) -> list:
+    """The captured variables the step may write.
+
+    A variable whose handle reaches any op other than a read
+    (:data:`tfremat.graph.VARIABLE_READS`) or a loop that only reads
+    (``OpRecord.pure_loop``) counts: an assignment, an optimizer's apply, and a
+    function call or loop given the handle, whose body is not looked into.
+    """
+    from .graph import VARIABLE_READS, producer
+
+    consumers: dict[str, list] = {}
+    for r in traced.records:
+        for t in r.inputs:
+            consumers.setdefault(producer(t), []).append(r)
+    by_handle = {id(v.handle): v for v in traced.concrete.variables if hasattr(v, "handle")}
+    written = []
+    for ext, name in traced.captures:
+        v = by_handle.get(id(ext))
+        if v is not None and any(not (r.op_type in VARIABLE_READS or r.pure_loop) for r in consumers.get(name, ())):
+            written.append(v)
+    return written
+
+
 def _handle_bytes(variables: dict) -> dict[str, int]:
     """Bytes of each captured variable, by its placeholder (see _variable_elements)."""
     return {name: n * size for name, (n, size) in variables.items()}
