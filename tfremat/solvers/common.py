@@ -67,6 +67,41 @@ def drop_recomputations(problem: Problem, schedule: Sequence[Hashable], rounds: 
     return best
 
 
+def drop_unread(graph, schedule: Sequence[Hashable]) -> list:
+    """``schedule`` without the computations no op reads, where the same node is
+    computed elsewhere too; repeatedly, since a removed one may have been the only
+    reader of another. Never costs more, and holds no tensor longer.
+
+    Unread first computations count: a plan that computes a value, drops it unread and
+    computes it again before its reader makes the reader's input a recomputed copy,
+    which waits behind an ordering gate. A fusion pattern that reads one tensor twice
+    then sees two (oneDNN's Swish, ``Mul(x, Sigmoid(x))``, became ``Mul(x,
+    Sigmoid(gate(x)))``): EfficientNetV2B0's forward Swish ran unfused, and every
+    variable differed after 3 Adam steps (7.3e-2). A node no one reads at all (an
+    output) keeps its first computation, and so does the first node of a precedence
+    (graph attribute ``order_edges``, which orders first computations).
+    """
+    result = list(schedule)
+    ordered = {u for u, _ in graph.graph.get("order_edges", ())}
+    while True:
+        latest: dict = {}
+        used: set = set()
+        for k, v in enumerate(result):
+            for u in graph.predecessors(v):
+                used.add(latest[u])
+            latest[v] = k
+        read_nodes = {result[k] for k in used}
+        seen: set = set()
+        dead = set()
+        for k, v in enumerate(result):
+            if k not in used and (v in seen or (v in read_nodes and v not in ordered)):
+                dead.add(k)
+            seen.add(v)
+        if not dead:
+            return result
+        result = [v for k, v in enumerate(result) if k not in dead]
+
+
 def _drop_pass(problem: Problem, sched: list) -> list:
     """One pass of :func:`drop_recomputations` (``sched`` itself when it fails)."""
     g, fixed, budget = problem.graph, problem.fixed_bytes, problem.budget_bytes
@@ -104,23 +139,8 @@ def _drop_pass(problem: Problem, sched: list) -> list:
             memory[lo:hi] += size
         last_use[i] = max(last_use[i], last_use[j])
         dropped[j] = True
-    # Copies nobody reads any more (their readers were dropped), repeatedly.
-    result = [v for j, v in enumerate(sched) if not dropped[j]]
-    while True:
-        latest, used = {}, set()
-        for k, v in enumerate(result):
-            for u in g.predecessors(v):
-                used.add(latest[u])
-            latest[v] = k
-        seen: set = set()
-        dead = set()
-        for k, v in enumerate(result):
-            if v in seen and k not in used:
-                dead.add(k)
-            seen.add(v)
-        if not dead:
-            break
-        result = [v for k, v in enumerate(result) if k not in dead]
+    # Computations nobody reads any more (their readers were dropped), repeatedly.
+    result = drop_unread(g, [v for j, v in enumerate(sched) if not dropped[j]])
     try:
         final = simulate(g, result, fixed)
     except InvalidScheduleError:  # a bug here must not cost the user a plan
