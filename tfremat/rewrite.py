@@ -481,6 +481,10 @@ def rewrite_graph_def(
 
     gates: dict = {}
     signatures: dict = {}  # v -> the inputs each computation of v read so far
+    made: dict = {}  # copies made so far, by name
+
+    def nodes_by_name(name: str):
+        return made.get(name) or nodes[name]
 
     def signature(src) -> tuple:
         """The computations ``src``'s data inputs bind to now."""
@@ -547,6 +551,7 @@ def rewrite_graph_def(
             node.CopyFrom(src)
             name = _fresh(f"{v}{COPY_SEP}{k}", taken)
             node.name = name
+            made[name] = node
             n_copies += 1
             if v in graph:
                 # a loop reading variables: their writers wait for every copy of it
@@ -560,10 +565,28 @@ def rewrite_graph_def(
         # extra consumers kept the arithmetic optimizer from folding the Add tree it
         # starts (Xception at its smallest budget + 10 %: a BatchNorm's x*s and
         # x*s + b recomputed 3 times from one convolution copy, then summed with the
-        # residual in another order; 547 variables up to 1.9e-3 after 3 steps). Its
-        # first input from a computed tensor then goes through a gate of its chain.
-        twin_copy = (k > 0 and chain_triggers and signature(src) in signatures.get(v, ())
+        # residual in another order; 547 variables up to 1.9e-3 after 3 steps). Only
+        # a sum or product is set apart, by a gate of its chain on its first input
+        # computed by an op no arithmetic rewrite folds into it (not elementwise) and
+        # read by none of its other inputs' producers: a gate on the ``x`` of
+        # ``Mul(x, Sigmoid(x))`` broke oneDNN's Swish pattern (EfficientNetV2B0:
+        # 1.1e-2 after 3 steps).
+        twin_copy = (k > 0 and chain_triggers and src.op in _ADD_FAMILY | _MUL_FAMILY
+                     and signature(src) in signatures.get(v, ())
                      and not any(gated_input(inp) for inp in src.input))
+        if twin_copy:
+            data = [_split(i) for i in src.input if not i.startswith("^")]
+            bound_in = [latest.get(twin.get(o, o), twin.get(o, o)) for o, _ in data]
+            read_by_others = {
+                t for b in bound_in for t in (_split(i)[0] for i in nodes_by_name(b).input if not i.startswith("^"))
+            }
+            twin_gate_at = next(
+                (b for b, (o, _) in zip(bound_in, data)
+                 if b != twin.get(o, o) and originals[twin.get(o, o)].op not in _CONSTS | _ELEMENTWISE
+                 and b not in read_by_others),
+                None,
+            )
+            twin_copy = twin_gate_at is not None
         for inp in src.input:
             if inp.startswith("^"):
                 node.input.append(inp)
@@ -571,7 +594,7 @@ def rewrite_graph_def(
             op, idx = _split(inp)
             op = twin.get(op, op)
             bound = latest.get(op, op)
-            if twin_copy and bound != op and originals[op].op not in _CONSTS:
+            if twin_copy and bound == twin_gate_at:
                 twin_copy = False  # one gate sets it apart
                 key = (bound + idx, tuple(chain_triggers))
                 gate = gates.get(key)
