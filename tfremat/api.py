@@ -709,9 +709,10 @@ def _own_buffers(variables) -> None:
         try:
             with tf.device(v.device):
                 v.assign(tf.raw_ops.DeepCopy(x=v.read_value()), read_value=False)
-        except (tf.errors.OpError, TypeError, ValueError, AttributeError):
-            # No DeepCopy kernel for its dtype, or not initialized: left as it is,
-            # and the check after the first call sees its memory.
+        except Exception:  # noqa: BLE001 - best effort, the values are unchanged either way
+            # No DeepCopy kernel for its dtype, not initialized, a distributed
+            # variable assigned outside its strategy: left as it is, and the check
+            # after the first call sees its memory.
             continue
 
 

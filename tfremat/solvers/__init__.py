@@ -16,7 +16,7 @@ from ..plan import Plan, Problem, Solver
 from ..simulate import check_precedences, reread_after_write, simulate
 from .auto import auto_solver
 from .baselines import BASELINES
-from .common import drop_unread, make_plan
+from .common import drop_unread, make_plan, serve_unread_firsts
 from .cover import cover_solver
 from .evict import evict_solver
 from .exact import exact_solver
@@ -92,10 +92,13 @@ def solve(problem: Problem, solver: SolverLike = "auto") -> Plan:
         raise RematError(f"solver {plan.solver!r} misreported its plan's peak or cost")
     import dataclasses
 
-    schedule = drop_unread(problem.graph, plan.schedule)
+    # Any solver's unread computations: the rewrite would make their readers'
+    # inputs gated copies (serve_unread_firsts). An unread first computation serves
+    # its readers where the budget allows; unread copies go (drop_unread).
+    schedule = drop_unread(problem.graph, serve_unread_firsts(problem.graph, plan.schedule))
+    if simulate(problem.graph, schedule, problem.fixed_bytes).peak_bytes > problem.budget_bytes:
+        schedule = drop_unread(problem.graph, plan.schedule)
     if len(schedule) < len(plan.schedule):
-        # Any solver's unread computations (see drop_unread): the rewrite would
-        # make their readers' inputs gated copies.
         plan = dataclasses.replace(
             make_plan(problem, schedule, plan.solver, plan.status, plan.cost_lower_bound, plan.solve_s),
             budget_bytes=plan.budget_bytes)

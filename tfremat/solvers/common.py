@@ -67,22 +67,43 @@ def drop_recomputations(problem: Problem, schedule: Sequence[Hashable], rounds: 
     return best
 
 
-def drop_unread(graph, schedule: Sequence[Hashable]) -> list:
-    """``schedule`` without the computations no op reads, where the same node is
-    computed elsewhere too; repeatedly, since a removed one may have been the only
-    reader of another. Never costs more, and holds no tensor longer.
+def serve_unread_firsts(graph, schedule: Sequence[Hashable]) -> list:
+    """``schedule`` where each node whose first computation nobody reads before its
+    next one has that next one removed: the first serves its readers instead.
 
-    Unread first computations count: a plan that computes a value, drops it unread and
-    computes it again before its reader makes the reader's input a recomputed copy,
-    which waits behind an ordering gate. A fusion pattern that reads one tensor twice
-    then sees two (oneDNN's Swish, ``Mul(x, Sigmoid(x))``, became ``Mul(x,
-    Sigmoid(gate(x)))``): EfficientNetV2B0's forward Swish ran unfused, and every
-    variable differed after 3 Adam steps (7.3e-2). A node no one reads at all (an
-    output) keeps its first computation, and so does the first node of a precedence
-    (graph attribute ``order_edges``, which orders first computations).
+    A plan that computes a value, leaves it unread and computes it again before its
+    reader makes the reader's input a recomputed copy behind an ordering gate, and a
+    fusion pattern that reads one tensor twice then sees two (oneDNN's Swish,
+    ``Mul(x, Sigmoid(x))``, became ``Mul(x, Sigmoid(gate(x)))``): EfficientNetV2B0's
+    forward Swish ran unfused, the first loss already differed, and 847 variables
+    were up to 7.3e-2 apart after 3 steps. Removing the first computation instead
+    would move the node's original later, and ``auto`` keeps first computations in
+    the reference order (the executor follows reordered ones too loosely,
+    docs/solvers.md). The first value is held longer, so the caller checks the
+    budget.
     """
     result = list(schedule)
-    ordered = {u for u, _ in graph.graph.get("order_edges", ())}
+    latest: dict = {}
+    read: set = set()
+    first: dict = {}
+    drop = set()
+    for k, v in enumerate(result):
+        for u in graph.predecessors(v):
+            read.add(latest[u])
+        if v in first and first[v] not in read and latest[v] == first[v]:
+            drop.add(k)  # the first computation is unread: it serves instead
+            continue
+        first.setdefault(v, k)
+        latest[v] = k
+    return [v for k, v in enumerate(result) if k not in drop]
+
+
+def drop_unread(graph, schedule: Sequence[Hashable]) -> list:
+    """``schedule`` without the recomputations no op reads, repeatedly (a removed one
+    may have been the only reader of another). Never costs more, and holds no tensor
+    longer. First computations stay (see :func:`serve_unread_firsts` for unread
+    ones)."""
+    result = list(schedule)
     while True:
         latest: dict = {}
         used: set = set()
@@ -90,11 +111,10 @@ def drop_unread(graph, schedule: Sequence[Hashable]) -> list:
             for u in graph.predecessors(v):
                 used.add(latest[u])
             latest[v] = k
-        read_nodes = {result[k] for k in used}
         seen: set = set()
         dead = set()
         for k, v in enumerate(result):
-            if k not in used and (v in seen or (v in read_nodes and v not in ordered)):
+            if v in seen and k not in used:
                 dead.add(k)
             seen.add(v)
         if not dead:
