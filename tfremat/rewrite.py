@@ -496,6 +496,18 @@ def rewrite_graph_def(
                 out.append(latest.get(op, op) + idx)
         return tuple(out)
 
+    def gate_on(tensor: str, op: str, idx: str, device: str, source: str) -> str:
+        """The gate of the current chain in front of ``tensor`` (output ``idx`` of
+        ``op``; it may run from where ``source`` may), made on first use."""
+        key = (tensor, tuple(chain_triggers))
+        gate = gates.get(key)
+        if gate is None:
+            gate = _fresh(f"{op}{COPY_SEP}_gate{len(gates)}", taken)
+            _add_identity(new, gate, tensor, dtypes[op][int(idx[1:]) if idx else 0], device, chain_triggers)
+            gates[key] = gate
+            early[gate] = max([early.get(t, 0) for t in chain_triggers] + [early.get(source, 0)])
+        return gate
+
     def gated_input(inp: str) -> bool:
         """A copy's data input ``inp`` is an original tensor, so it goes through a gate."""
         if inp.startswith("^"):
@@ -571,8 +583,9 @@ def rewrite_graph_def(
         # read by none of its other inputs' producers: a gate on the ``x`` of
         # ``Mul(x, Sigmoid(x))`` broke oneDNN's Swish pattern (EfficientNetV2B0:
         # 1.1e-2 after 3 steps).
+        sig = signature(src)
         twin_copy = (k > 0 and chain_triggers and src.op in _ADD_FAMILY | _MUL_FAMILY
-                     and signature(src) in signatures.get(v, ())
+                     and sig in signatures.get(v, ())
                      and not any(gated_input(inp) for inp in src.input))
         if twin_copy:
             data = [_split(i) for i in src.input if not i.startswith("^")]
@@ -596,38 +609,18 @@ def rewrite_graph_def(
             bound = latest.get(op, op)
             if twin_copy and bound == twin_gate_at:
                 twin_copy = False  # one gate sets it apart
-                key = (bound + idx, tuple(chain_triggers))
-                gate = gates.get(key)
-                if gate is None:
-                    gate = _fresh(f"{op}{COPY_SEP}_gate{len(gates)}", taken)
-                    _add_identity(
-                        new, gate, bound + idx, dtypes[op][int(idx[1:]) if idx else 0], src.device,
-                        chain_triggers,
-                    )
-                    gates[key] = gate
-                    early[gate] = max([early.get(t, 0) for t in chain_triggers] + [early.get(bound, 0)])
-                node.input.append(gate)
+                node.input.append(gate_on(bound + idx, op, idx, src.device, bound))
                 n_rewired += 1
                 continue
             if k > 0 and gated_input(inp):
                 # (a constant is not gated: the gate would hide it from constant
                 # folding and the arithmetic optimizer's constant rewrites)
-                key = (inp, tuple(chain_triggers))
-                gate = gates.get(key)
-                if gate is None:
-                    gate = _fresh(f"{op}{COPY_SEP}_gate{len(gates)}", taken)
-                    _add_identity(
-                        new, gate, inp, dtypes[op][int(idx[1:]) if idx else 0], src.device,
-                        chain_triggers,
-                    )
-                    gates[key] = gate
-                    early[gate] = max([early.get(t, 0) for t in chain_triggers] + [early.get(op, 0)])
-                node.input.append(gate)
+                node.input.append(gate_on(inp, op, idx, src.device, op))
                 continue
             if bound != op:
                 n_rewired += 1
             node.input.append(bound + idx)
-        signatures.setdefault(v, set()).add(signature(src))
+        signatures.setdefault(v, set()).add(sig)
         latest[v] = node.name
         position[node.name] = j
         # Copies are ordered too: a gate releases a whole recomputation chain at once,

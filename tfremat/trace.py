@@ -475,12 +475,19 @@ def _variable_elements(cf, captures) -> dict[str, tuple[int, int]]:
     captures by handle: a variable the step uses only inside a called function (a
     ``tf.cond`` branch or a loop body) has no read in the step's own graph to size it by.
     """
-    by_handle = {}
-    for v in cf.variables:
+    out = {}
+    for name, v in _captured_variables(cf, captures).items():
         try:
-            by_handle[id(v.handle)] = (int(v.shape.num_elements()), v.dtype.size)
-        except (AttributeError, TypeError):  # unknown shape or no handle: sized by its reads
+            out[name] = (int(v.shape.num_elements()), v.dtype.size)
+        except (AttributeError, TypeError):  # unknown shape: sized by its reads
             continue
+    return out
+
+
+def _captured_variables(cf, captures) -> dict:
+    """Each captured variable (``ConcreteFunction.variables``) by its placeholder in
+    the step's graph, matched by handle."""
+    by_handle = {id(v.handle): v for v in cf.variables if hasattr(v, "handle")}
     return {name: by_handle[id(ext)] for ext, name in captures if id(ext) in by_handle}
 
 
@@ -498,13 +505,10 @@ def written_variables(traced: TracedStep) -> list:
     for r in traced.records:
         for t in r.inputs:
             consumers.setdefault(producer(t), []).append(r)
-    by_handle = {id(v.handle): v for v in traced.concrete.variables if hasattr(v, "handle")}
-    written = []
-    for ext, name in traced.captures:
-        v = by_handle.get(id(ext))
-        if v is not None and any(not (r.op_type in VARIABLE_READS or r.pure_loop) for r in consumers.get(name, ())):
-            written.append(v)
-    return written
+    return [
+        v for name, v in _captured_variables(traced.concrete, traced.captures).items()
+        if any(not (r.op_type in VARIABLE_READS or r.pure_loop) for r in consumers.get(name, ()))
+    ]
 
 
 def _handle_bytes(variables: dict) -> dict[str, int]:

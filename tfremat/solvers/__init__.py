@@ -95,8 +95,11 @@ def solve(problem: Problem, solver: SolverLike = "auto") -> Plan:
     # Any solver's unread computations: the rewrite would make their readers'
     # inputs gated copies (serve_unread_firsts). An unread first computation serves
     # its readers where the budget allows; unread copies go (drop_unread).
-    schedule = drop_unread(problem.graph, serve_unread_firsts(problem.graph, plan.schedule))
-    if simulate(problem.graph, schedule, problem.fixed_bytes).peak_bytes > problem.budget_bytes:
+    served = serve_unread_firsts(problem.graph, plan.schedule)
+    schedule = drop_unread(problem.graph, served)
+    # (dropping unread copies alone holds nothing longer: only serving is checked)
+    if len(served) < len(plan.schedule) and (
+            simulate(problem.graph, schedule, problem.fixed_bytes).peak_bytes > problem.budget_bytes):
         schedule = drop_unread(problem.graph, plan.schedule)
     if len(schedule) < len(plan.schedule):
         plan = dataclasses.replace(
