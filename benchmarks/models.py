@@ -127,6 +127,7 @@ def worker_table(name: str, role: str, baseline: int = 0, fraction: float = 0.6,
     return dict(
         name=name, batch=batch, baseline=baseline, budget=budget, at_fraction=at_fraction,
         predicted=plan.predicted_peak_bytes, chunks=plan.allocator_peak_bytes,  # None: not checked that way
+        expected=plan.expected_peak_bytes,
         first=peaks[0], measured=max(peaks[1:]), last=max(peaks[-3:]),
         over=sum(p > budget for p in peaks),
         recomputed=len(plan.recomputed), fixed=plan.fixed_bytes,
@@ -353,8 +354,8 @@ def main():
         "highest of steps 6-8; over: calls over the budget of 8 (a call measured over the budget",
         "re-plans with that much more room, at most twice).",
         "",
-        "| model | batch | baseline peak MiB | fixed MiB | budget MiB | predicted MiB | predicted chunks MiB | first call MiB | measured MiB | last 3 MiB | over | predicted / measured | chunks / measured | step-time ratio | recomputed ops |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| model | batch | baseline peak MiB | fixed MiB | budget MiB | predicted MiB | predicted chunks MiB | expected MiB | first call MiB | measured MiB | last 3 MiB | over | predicted / measured | chunks / measured | expected / measured | step-time ratio | recomputed ops |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     def run_worker(*args, kind="--table-worker"):
         env = (_bfc_env(16384, onednn=a.onednn == "on") if a.allocator == "bfc"
@@ -381,9 +382,9 @@ def main():
         lines.append(
             f"| {name} | {d['batch']} | {d['baseline'] / mib:.1f} | {d['fixed'] / mib:.1f} | "
             f"{d['budget'] / mib:.1f} ({budget_note}) | "
-            f"{d['predicted'] / mib:.1f} | {chunks(d['chunks'], mib, '.1f')} | {d['first'] / mib:.1f} | "
+            f"{d['predicted'] / mib:.1f} | {chunks(d['chunks'], mib, '.1f')} | {d['expected'] / mib:.1f} | {d['first'] / mib:.1f} | "
             f"{d['measured'] / mib:.1f} | {d['last'] / mib:.1f} | {d['over']} | {d['predicted'] / d['measured']:.2f} | "
-            f"{chunks(d['chunks'], d['measured'], '.2f')} | "
+            f"{chunks(d['chunks'], d['measured'], '.2f')} | {d['expected'] / d['measured']:.2f} | "
             f"{t['ratio']:.2f} ({t['low']:.2f}-{t['high']:.2f}) | {d['recomputed']} |"
         )
         print(lines[-1], flush=True)

@@ -81,7 +81,7 @@ def worker(mode: str, budget_gib: float | None) -> dict:
             rtimes.append(dt)
         result.update(
             baseline_peak=max(peaks),
-            predicted=plan.predicted_peak_bytes,
+            predicted=plan.expected_peak_bytes,
             predicted_baseline=plan.baseline_peak_bytes,
             measured=max(rpeaks),
             recomputed=len(plan.recomputed),

@@ -135,8 +135,12 @@ def test_a_budget_the_tensors_fit_but_the_chunks_do_not_is_refused_with_one_that
     assert need * 0.95 >= chunks
     plan = RematFunction(step, need, "auto", 0.05, True)._solve(sg, 0)
     assert plan.allocator_peak_bytes == chunks <= need * 0.95
+    # the plan's expected peak is what the allocator reports: its chunks, not the tensors
+    # (_counted_from unset: the allocator in use is measured, so either model's chunks)
+    assert plan.predicted_peak_bytes < plan.expected_peak_bytes <= chunks
     # headroom 0 plans to the budget in the tensors' bytes alone
-    assert RematFunction(step, tensors, "auto", 0.0, True)._solve(sg, 0).allocator_peak_bytes is None
+    bare = RematFunction(step, tensors, "auto", 0.0, True)._solve(sg, 0)
+    assert bare.allocator_peak_bytes is None and bare.expected_peak_bytes == bare.predicted_peak_bytes
 
 
 def test_a_loops_lists_count_at_their_size_outside_the_pool():
@@ -181,6 +185,30 @@ def test_plans_are_checked_against_the_model_of_the_allocator_in_use(counted, mo
     fn._counted_from = {"CPU:0": counted, "GPU:0": counted}  # as if measured so
     sg = StepGraph(graph=g, fixed_bytes=0, variable_bytes=0, argument_bytes=0, constant_bytes=0)
     assert fn._allocator_estimate(sg, order, 0) == max(variants[m] for m in models)
+    # the best guess is the allocator in use's own model; the larger where not known
+    expected = {0: "pooled", 256 * 1024: "onednn"}.get(counted)
+    want = variants[expected] if expected else max(variants.values())
+    assert fn._allocator_estimates(sg, order, 0) == (max(variants[m] for m in models), want)
+
+
+def test_the_expected_peak_leaves_out_what_the_allocator_in_use_does_not_count():
+    from tfremat.api import RematFunction
+    from tfremat.graph import StepGraph
+
+    pytest.importorskip("tensorflow")  # the step's device is asked of TensorFlow
+    # twenty 200 KiB tensors: the oneDNN default serves them apart and does not count them
+    g, order = _held_to_the_end([200 * 1024] * 20 + [3 * MIB])
+    pooled = allocator_peak(g, order).peak_bytes
+    onednn = allocator_peak(g, order, smallest_pooled=256 * 1024, count_unpooled=False).peak_bytes
+    assert onednn < pooled
+    sg = StepGraph(graph=g, fixed_bytes=0, variable_bytes=0, argument_bytes=0, constant_bytes=0)
+    for counted, want in [(256 * 1024, onednn), (0, pooled), (None, pooled)]:
+        fn = RematFunction(lambda: None, 64 * MIB, "auto", 0.05, True)
+        fn._counted_from = {"CPU:0": counted, "GPU:0": counted}  # as if measured so
+        # the budget is still checked against the larger (cautious) model
+        assert fn._allocator_estimates(sg, order, 0) == (pooled, want)
+        plan = fn._solve(sg, 0)
+        assert plan.allocator_peak_bytes == pooled and plan.expected_peak_bytes == want
 
 
 def test_the_allocator_in_use_is_told_apart_by_measurement():

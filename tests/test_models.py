@@ -250,6 +250,11 @@ def _check(name: str, fraction: float, role: str, state_file: str, slack: float 
     out.update(
         budget=budget,
         predicted=plan.predicted_peak_bytes,
+        # what the allocator's statistics are predicted to report: the cautious model
+        # the budget is checked against (None where not checked that way), and the
+        # best guess
+        chunks=plan.allocator_peak_bytes,
+        expected=plan.expected_peak_bytes,
         predicted_baseline=plan.baseline_peak_bytes,
         fixed=plan.fixed_bytes,
         peaks=peaks,

@@ -55,8 +55,10 @@ class Plan:
     and every consumer binds to the most recent computation of each input.
     ``kept`` lists the forward values held for a later phase without recomputation
     (see :func:`kept_values`); ``fixed_bytes`` is the problem's fixed memory, included
-    in every peak. ``tfremat.remat`` also fills ``allocator_peak_bytes``: the peak the
-    allocator would report for the schedule (:mod:`tfremat.allocator`).
+    in every peak. ``tfremat.remat`` also fills ``allocator_peak_bytes``, the cautious
+    allocator peak the budget is checked against, and ``allocator_expected_bytes``,
+    the best guess of what the allocator reports (:mod:`tfremat.allocator`;
+    :attr:`expected_peak_bytes`).
     """
 
     schedule: tuple[Node, ...]
@@ -71,9 +73,13 @@ class Plan:
     solve_s: float = 0.0
     kept: tuple[Node, ...] = ()
     fixed_bytes: int = 0
-    # What the allocator's statistics are predicted to report (its chunks, not the
-    # requests: tfremat.allocator); None where the plan was not checked that way.
+    # What the allocator's statistics are predicted to report at most (its chunks, not
+    # the requests: tfremat.allocator); None where the plan was not checked that way.
     allocator_peak_bytes: int | None = None
+    # The allocator in use's model alone (allocator_peak_bytes takes the larger of two
+    # where the statistics leave small requests out): the best guess of the peak the
+    # statistics report, expected_peak_bytes. None where not checked that way.
+    allocator_expected_bytes: int | None = None
 
     @property
     def recomputed(self) -> tuple[Node, ...]:
@@ -85,6 +91,22 @@ class Plan:
                 out.append(v)
             seen.add(v)
         return tuple(out)
+
+    @property
+    def expected_peak_bytes(self) -> int:
+        """The peak the allocator's statistics are predicted to report for this plan.
+
+        The model of the allocator in use (``allocator_expected_bytes``: its chunks,
+        without the requests it leaves out of its statistics) where
+        :func:`tfremat.remat` checked the plan that way, else the simulator's tensors
+        (``predicted_peak_bytes``). This is the number to compare with
+        ``tf.config.experimental.get_memory_info(device)['peak']``; the budget is
+        checked against the more cautious ``allocator_peak_bytes``
+        (docs/keras.md, session 33: how the three compare with measured peaks).
+        """
+        if self.allocator_expected_bytes is not None:
+            return self.allocator_expected_bytes
+        return self.predicted_peak_bytes
 
     @property
     def extra_cost(self) -> float:
