@@ -7,7 +7,8 @@ For each model (default: all of ``EXTRA``), Keras' own 3 Adam steps run in one f
 process and tfremat's in another (``tests/test_models.py``'s ``_check``: budget 60 % of
 the measured baseline, or the solver's smallest budget + 10 % where 60 % is
 infeasible, op determinism on), and one table row is printed: baseline, budget,
-predicted peak (the simulator's tensors; ``Plan.expected_peak_bytes``, the model of
+predicted peak (the simulator's tensors; the allocator model the budget is checked
+against, ``Plan.allocator_peak_bytes``; ``Plan.expected_peak_bytes``, the model of
 the allocator in use, which is what its statistics report), measured peak (MiB,
 default CPU allocator), ops recomputed, and whether
 every loss and variable is bitwise equal. The large keras.applications models take
@@ -631,8 +632,8 @@ def _run(name: str, fraction: float, role: str, state: str) -> dict:
 
 def main(names) -> None:
     mib = 2**20
-    print("| model | batch | baseline | budget | tensors | expected | measured | ops recomputed | bitwise equal |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| model | batch | baseline | budget | tensors | checked | expected | measured | ops recomputed | bitwise equal |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
             state = os.path.join(tmp, name)
@@ -648,9 +649,9 @@ def main(names) -> None:
                 continue
             kind = "min+10 %" if r.get("infeasible_at_fraction") else "60 %"
             equal = r["logs_equal"] and r["n_unequal"] == 0
-            expected = "—" if r.get("expected") is None else f"{r['expected'] / mib:.1f}"
+            expected, checked = ("—" if r.get(k) is None else f"{r[k] / mib:.1f}" for k in ("expected", "chunks"))
             print(f"| {name} | {r['batch']} | {max(ref['peaks']) / mib:.1f} | {r['budget'] / mib:.1f} ({kind}) "
-                  f"| {r['predicted'] / mib:.1f} | {expected} | {max(r['peaks']) / mib:.1f} | {r['recomputed']} "
+                  f"| {r['predicted'] / mib:.1f} | {checked} | {expected} | {max(r['peaks']) / mib:.1f} | {r['recomputed']} "
                   f"| {'yes' if equal else 'no (max %.1e)' % r['max_abs_diff']} |", flush=True)
 
 
