@@ -130,6 +130,30 @@ def test_an_xla_compiled_call_is_probed_as_one_kernel():
     assert max(found.get(n, 0) for n in calls) >= 16 * 2**20, found
 
 
+def test_an_einsum_that_transposes_its_inputs_is_probed():
+    """Keras' MultiHeadAttention computes its scores with an ``Einsum`` whose kernel
+    transposes both operands into temporaries first ("bqhd,bkhd->bhqk": 2 MiB each
+    here), none of them an output. Measured on vit_tiny: 11.4 MiB expected for 12.5
+    measured without the probe, 12.9 for 13.0 with it."""
+    import tfremat.scratch as sc
+
+    try:
+        tf.config.experimental.get_memory_info("CPU:0")
+    except ValueError:
+        pytest.skip("this TensorFlow reports no CPU allocator statistics: nothing is probed")
+
+    @tf.function
+    def scores(q, k):
+        return tf.einsum("bqhd,bkhd->bhqk", q, k)
+
+    q = tf.ones((16, 256, 4, 32))
+    traced = trace(scores, (q, q))
+    einsums = [r.name for r in traced.records if r.op_type == "Einsum"]
+    assert einsums, [r.op_type for r in traced.records]
+    found = sc.measure_scratch(traced, "CPU:0")
+    assert found.get(einsums[0], 0) >= 2 * 2**20, found
+
+
 def test_no_scratch_probes_while_an_outer_function_traces():
     import tfremat.scratch as sc
 
