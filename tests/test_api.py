@@ -445,6 +445,56 @@ def test_measured_overshoot_with_no_room_left_warns_and_keeps_the_plan(monkeypat
     fn(x, y)  # no new function: no second measurement, no second warning
 
 
+def _seeded_dropout_step():
+    """An MLP step with ``tf.nn.dropout(seed=...)``: stateful ``RandomUniform`` kernels
+    seeded by their attributes. Each call returns the loss and the gradients."""
+    import tensorflow as tf
+
+    ws = [tf.Variable(tf.random.stateless_normal((256, 256), seed=(i, 0)) * 0.1) for i in range(6)]
+
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            h = x
+            for w in ws:
+                h = tf.nn.dropout(tf.nn.relu(h @ w), 0.3, seed=7)
+            loss = tf.reduce_mean(h * h)
+        return loss, tape.gradient(loss, ws)
+
+    return step
+
+
+def test_a_step_with_seeded_random_kernels_keeps_its_plan_where_a_replan_would_restart_them(monkeypatch):
+    """The kernels of seeded stateful random ops hold their streams, so a re-planned
+    (new) function would draw the first call's dropout masks again. A call measured
+    over the budget then warns and keeps the plan, and every call computes what the
+    original step computes."""
+    import tensorflow as tf
+
+    import tfremat.api as api
+
+    x = tf.random.stateless_normal((2048, 256), seed=(9, 9))
+    ref = _seeded_dropout_step()
+    probe = tfremat.remat(_seeded_dropout_step(), budget_gib=1.0).get_plan(x)
+    # room for a re-plan that keeps the measured excess free (one the original would
+    # make: without the rule this test sees the masks repeat)
+    fn = tfremat.remat(_seeded_dropout_step(), budget_gib=1.2 * probe.baseline_peak_bytes / 2**30)
+    first = fn.get_plan(x)
+    assert list(fn._cache.values())[0].traced.seeded_streams
+    over = fn.budget_bytes + 2**20  # the first call went 1 MiB over the budget
+    peaks = iter([0, over])
+    monkeypatch.setattr(api, "_allocator_peak_bytes", lambda device="CPU:0": next(peaks, 0))
+    with pytest.warns(RuntimeWarning, match="restart the streams of its seeded random ops"):
+        outs = [fn(x)]
+    outs += [fn(x) for _ in range(2)]
+    assert fn.get_plan(x) is first
+    refs = [ref(x) for _ in range(3)]
+    assert not np.array_equal(refs[0][0].numpy(), refs[1][0].numpy()), "the masks did not change"
+    for a, b in zip(outs, refs):
+        for u, v in zip(tf.nest.flatten(a), tf.nest.flatten(b)):
+            np.testing.assert_array_equal(u.numpy(), v.numpy())
+
+
 def test_a_replan_that_grappler_cannot_run_keeps_the_plan_before(monkeypatch):
     """A re-planned step whose rewrite closes a cycle in Grappler, strict and minimal
     ordering alike, goes back to the plan that ran before it."""

@@ -64,6 +64,31 @@ def test_keras_lstm_lists_are_counted():
     assert 4 * T * STEP_BYTES <= held <= 12 * T * STEP_BYTES, held / (T * STEP_BYTES)
 
 
+def test_seeded_random_kernels_are_found_in_the_step_and_the_functions_it_calls():
+    from tfremat.trace import seeded_stream_ops
+
+    gen = tf.random.Generator.from_seed(4)
+
+    @tf.function
+    def inner(t):
+        return tf.random.uniform(tf.shape(t), seed=3) * t
+
+    @tf.function
+    def step(x):
+        a = tf.nn.dropout(x, 0.5, seed=1)  # RandomUniform, seeded
+        b = tf.random.stateless_uniform(tf.shape(x), seed=(1, 2))  # seed is an input
+        c = gen.normal(tf.shape(x))  # state in a variable
+        return a + b + c + inner(x)
+
+    traced = trace(step, (tf.ones((4, 4)),))
+    found = seeded_stream_ops(traced.graph_def)
+    assert traced.seeded_streams == found
+    types = {n.name: n.op for n in traced.graph_def.node}
+    for f in traced.graph_def.library.function:
+        types.update({f"{f.signature.name}/{n.name}": n.op for n in f.node_def})
+    assert sorted(types[n] for n in found) == ["RandomUniform", "RandomUniform"], found
+
+
 # -- kernel scratch probes (tfremat.scratch) --------------------------------------------
 def _conv_step_traced():
     import sys

@@ -78,6 +78,7 @@ class _Entry:
     calibrations: int = 0  # re-plans for a measured peak over the budget
     device: str = "CPU:0"  # whose allocator measures the step
     previous: Any = None  # (plan, fn, rewrite_info) that ran before a re-plan
+    kept_for_streams: bool = False  # a re-plan was refused: seeded random streams
 
 
 class RematFunction:
@@ -289,7 +290,13 @@ class RematFunction:
           is kept free in the next plan (at most ``_MAX_CALIBRATIONS`` times per
           entry), so the next calls fit.
 
-        The next calls use the new plan. The measured peak is the allocator's
+        The next calls use the new plan, except in a step with seeded stateful
+        random ops (``tf.nn.dropout(seed=...)``, ``tf.random.uniform`` under a global
+        seed): their kernels hold their streams, and a new function would draw the
+        first call's numbers again (measured: the loss of a dropout MLP's second
+        step changed). There the plan is kept and a warning says why.
+
+        The measured peak is the allocator's
         high-water mark, which tfremat resets only while probing kernel scratch before a new
         signature's first call (tfremat.scratch), so a call is measured only when
         it raises the mark; after one over the budget, a later peak under that mark
@@ -319,18 +326,28 @@ class RematFunction:
                 entry.calibrations += 1
         if other == entry.other_bytes and allowance == entry.allowance:
             return
+        if entry.traced.seeded_streams:
+            # A new function would start every seeded random kernel's stream again
+            # (tfremat.trace.seeded_stream_ops): the next call would repeat the first
+            # call's draws, where the original step draws new ones.
+            if not entry.kept_for_streams:
+                entry.kept_for_streams = True
+                names = ", ".join(entry.traced.seeded_streams[:3])
+                _warn_user(
+                    f"tfremat: {self._replan_reason(entry, other, allowance, measured)}; a "
+                    f"re-planned step would restart the streams of its seeded random ops "
+                    f"({names}{', ...' if len(entry.traced.seeded_streams) > 3 else ''}) "
+                    "and repeat their first draws, so tfremat keeps the current plan, "
+                    "which may exceed the budget. Stateless random ops "
+                    "(tf.random.stateless_*, Keras' SeedGenerator, tf.random.Generator) "
+                    "let it re-plan; or raise the budget"
+                )
+            return
         try:
             plan = self._solve(entry.step_graph, other, allowance)
         except InfeasibleBudgetError as e:
-            if other != entry.other_bytes:
-                why = (f"memory held outside the step grew by "
-                       f"{(other - entry.other_bytes) / 2**20:.1f} MiB during the first call")
-            else:
-                why = (f"a call's measured peak, {measured / 2**20:.1f} MiB, used "
-                       f"{(allowance - entry.allowance) / 2**20:.1f} MiB more than the plan "
-                       "predicts (kernel scratch space, allocator chunks)")
             _warn_user(
-                f"tfremat: {why}; no plan fits the budget with that room "
+                f"tfremat: {self._replan_reason(entry, other, allowance, measured)}; no plan fits the budget with that room "
                 f"(a budget of {e.min_feasible_bytes / GIB:.3f} GiB would); keeping the "
                 "current plan, which may exceed the budget"
             )
@@ -340,6 +357,16 @@ class RematFunction:
         entry.plan, entry.fn, entry.rewrite_info = plan, fn, info
         entry.other_bytes, entry.allowance = other, allowance
         entry.checked = False  # the new function gets the cycle check on its first call
+
+    @staticmethod
+    def _replan_reason(entry: _Entry, other: int, allowance: int, measured: int | None) -> str:
+        """Why :meth:`_check_after_call` wants a new plan, for a warning."""
+        if other != entry.other_bytes:
+            return (f"memory held outside the step grew by "
+                    f"{(other - entry.other_bytes) / 2**20:.1f} MiB during the first call")
+        return (f"a call's measured peak, {(measured or 0) / 2**20:.1f} MiB, used "
+                f"{(allowance - entry.allowance) / 2**20:.1f} MiB more than the plan "
+                "predicts (kernel scratch space, allocator chunks)")
 
     def _tf_function(self):
         if self._tf_fn is None:

@@ -36,6 +36,8 @@ class TracedStep:
     handle_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
     # ops whose outputs went through an optimizer's IdentityN (bypassed): gradients
     gradients: tuple[str, ...] = ()
+    # seeded random ops whose kernels hold their stream (seeded_stream_ops)
+    seeded_streams: tuple[str, ...] = ()
 
 
 def as_tf_function(fn):
@@ -380,7 +382,32 @@ def trace(fn, args: tuple, kwargs: dict | None = None) -> TracedStep:
         python_function=getattr(tf_fn, "python_function", fn),
         handle_bytes=_handle_bytes(variables),
         gradients=gradients,
+        seeded_streams=seeded_stream_ops(graph_def),
     )
+
+
+def seeded_stream_ops(graph_def) -> tuple[str, ...]:
+    """Seeded random ops whose kernel holds its own stream, in the step or a function
+    it calls (``"function/op"``).
+
+    ``tf.random.uniform``, ``tf.nn.dropout`` without a generator, ``tf.random.shuffle``
+    and the like run stateful kernels (``RandomUniform``, ``RandomShuffle``, ...) that
+    draw the next numbers of a Philox stream seeded by their ``seed``/``seed2``
+    attributes; the stream lives in the kernel, so a new function made from the same
+    graph starts it again (measured: a re-emitted ``tf.nn.dropout`` repeats the first
+    call's mask). Such ops are told apart by those two attributes (stateless random
+    ops take their seed as an input; ``tf.random.Generator`` keeps its state in a
+    variable). Both zero means a fresh random seed per kernel: nothing to reproduce.
+    """
+
+    def seeded(node) -> bool:
+        a = node.attr
+        return "seed" in a and "seed2" in a and bool(a["seed"].i or a["seed2"].i)
+
+    found = [n.name for n in graph_def.node if seeded(n)]
+    for f in graph_def.library.function:
+        found.extend(f"{f.signature.name}/{n.name}" for n in f.node_def if seeded(n))
+    return tuple(found)
 
 
 # Producers an identity is not bypassed after (Grappler's SafeToRemoveIdentity).
