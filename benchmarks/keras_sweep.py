@@ -82,11 +82,20 @@ EXTRA = {
     "selu_alpha": (1024, (256,)),
     "unitnorm_prelu": (32, (32, 32, 3)),
     "conv1d_transpose": (128, (256, 16)),
+    # session 34: control flow, stateful randomness and gradients of one's own
+    "cond_gate": (32, (32, 32, 3)),
+    "stateful_dropout": (32, (32, 32, 3)),
+    "scan_rnn": (32, (64, 32)),
+    "topk_gather": (32, (64, 32)),
+    "pixel_shuffle": (16, (32, 32, 3)),
+    "ste_quant": (32, (32, 32, 3)),
+    "recompute_grad_block": (32, (32, 32, 3)),
 }
 
 
 def _builders():
     import keras
+    import tensorflow as tf
 
     L = keras.layers
     out = _test_builders()
@@ -485,6 +494,102 @@ def _builders():
         h = L.LayerNormalization()(ff(L.Add()([h, L.Dense(d)(u)])))
         return keras.Model(inp, L.Dense(10)(L.GlobalAveragePooling1D()(h)))
 
+    def conv_stem(inp, c=32):
+        return L.BatchNormalization()(L.Conv2D(c, 3, padding="same", activation="relu")(inp))
+
+    def cond_gate():
+        # a branch on a tensor's value (tf.cond: StatelessIf) in the forward pass
+        class Gate(L.Layer):
+            def call(self, t):
+                return tf.cond(tf.reduce_mean(t) > 0.0, lambda: tf.nn.relu(t), lambda: 2.0 * tf.tanh(t))
+
+        inp = keras.Input(EXTRA["cond_gate"][1])
+        h = Gate()(conv_stem(inp))
+        h = Gate()(L.Conv2D(32, 3, padding="same")(h))
+        h = L.MaxPooling2D()(L.Conv2D(64, 3, padding="same", activation="relu")(h))
+        return keras.Model(inp, L.Dense(10)(L.GlobalAveragePooling2D()(h)))
+
+    def stateful_dropout():
+        # tf.nn.dropout without a seed: a stateful RandomUniform whose draws continue
+        # from step to step (never recomputed; the stream must not restart)
+        class TfDropout(L.Layer):
+            def call(self, t, training=None):
+                return tf.nn.dropout(t, 0.3) if training else t
+
+        inp = keras.Input(EXTRA["stateful_dropout"][1])
+        h = TfDropout()(conv_stem(inp))
+        h = TfDropout()(L.Conv2D(32, 3, padding="same", activation="relu")(h))
+        h = L.MaxPooling2D()(L.Conv2D(64, 3, padding="same", activation="relu")(h))
+        return keras.Model(inp, L.Dense(10)(L.GlobalAveragePooling2D()(h)))
+
+    def scan_rnn():
+        # a recurrence written with tf.scan (a while loop over TensorArrays)
+        class Leaky(L.Layer):
+            def call(self, t):
+                tm_ = tf.transpose(t, [1, 0, 2])
+                return tf.transpose(tf.scan(lambda a, x: 0.9 * a + tf.tanh(x), tm_), [1, 0, 2])
+
+        inp = keras.Input(EXTRA["scan_rnn"][1])
+        h = Leaky()(L.Dense(128, activation="relu")(inp))
+        h = Leaky()(L.Dense(128)(h))
+        return keras.Model(inp, L.Dense(10)(L.GlobalAveragePooling1D()(h)))
+
+    def topk_gather():
+        # integer ops in the forward pass: top-k positions by score, gathered per example
+        class TopK(L.Layer):
+            def call(self, t):
+                _, idx = tf.math.top_k(tf.reduce_sum(t, -1), k=16)
+                return tf.gather(t, idx, batch_dims=1)
+
+        inp = keras.Input(EXTRA["topk_gather"][1])
+        h = L.Dense(256, activation="gelu")(inp)
+        h = TopK()(L.Dense(128, activation="relu")(h))
+        return keras.Model(inp, L.Dense(10)(L.Flatten()(h)))
+
+    def pixel_shuffle():
+        # sub-pixel upsampling (depth_to_space), bilinear resizing, space_to_depth
+        inp = keras.Input(EXTRA["pixel_shuffle"][1])
+        h = L.Conv2D(64, 3, padding="same", activation="relu")(inp)
+        h = L.Lambda(lambda t: tf.nn.depth_to_space(t, 2))(h)
+        h = L.Conv2D(32, 3, padding="same", activation="relu")(h)
+        h = L.Lambda(lambda t: tf.image.resize(t, (48, 48), "bilinear"))(h)
+        h = L.Lambda(lambda t: tf.nn.space_to_depth(t, 4))(L.Conv2D(16, 3, padding="same")(h))
+        return keras.Model(inp, L.Dense(10)(L.GlobalAveragePooling2D()(h)))
+
+    def ste_quant():
+        # fake quantization with a straight-through gradient (tf.custom_gradient)
+        @tf.custom_gradient
+        def ste_round(t):
+            return tf.round(t * 4.0) / 4.0, lambda dy: dy
+
+        class Quant(L.Layer):
+            def call(self, t):
+                return ste_round(t)
+
+        inp = keras.Input(EXTRA["ste_quant"][1])
+        h = Quant()(conv_stem(inp))
+        h = Quant()(L.Conv2D(32, 3, padding="same", activation="relu")(h))
+        h = L.MaxPooling2D()(L.Conv2D(64, 3, padding="same", activation="relu")(h))
+        return keras.Model(inp, L.Dense(10)(L.GlobalAveragePooling2D()(h)))
+
+    def recompute_grad_block():
+        # residual blocks the user already wrapped in tf.recompute_grad
+        class Block(L.Layer):
+            def build(self, shape):
+                self.c1 = L.Conv2D(32, 3, padding="same", activation="relu")
+                self.c2 = L.Conv2D(32, 3, padding="same")
+                self.c1.build(shape)
+                self.c2.build(shape[:-1] + (32,))
+
+            def call(self, t):
+                return tf.nn.relu(t + tf.recompute_grad(lambda u: self.c2(self.c1(u)))(t))
+
+        inp = keras.Input(EXTRA["recompute_grad_block"][1])
+        h = conv_stem(inp)
+        for _ in range(3):
+            h = Block()(h)
+        return keras.Model(inp, L.Dense(10)(L.GlobalAveragePooling2D()(h)))
+
     def app(cls, name):
         return lambda: getattr(keras.applications, cls)(weights=None, input_shape=EXTRA[name][1], classes=10)
 
@@ -503,7 +608,10 @@ def _builders():
                bigru_mha=bigru_mha, cross_attention=cross_attention, upsample_fp16=upsample_fp16,
                gpt_tanh_gelu=gpt_tanh_gelu, se_resnet=se_resnet, mish_cnn=mish_cnn, textcnn=textcnn,
                conformer=conformer, gqa_rmsnorm=gqa_rmsnorm, selu_alpha=selu_alpha,
-               unitnorm_prelu=unitnorm_prelu, conv1d_transpose=conv1d_transpose)
+               unitnorm_prelu=unitnorm_prelu, conv1d_transpose=conv1d_transpose,
+               cond_gate=cond_gate, stateful_dropout=stateful_dropout, scan_rnn=scan_rnn,
+               topk_gather=topk_gather, pixel_shuffle=pixel_shuffle, ste_quant=ste_quant,
+               recompute_grad_block=recompute_grad_block)
     return out
 
 
