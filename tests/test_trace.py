@@ -89,6 +89,26 @@ def test_seeded_random_kernels_are_found_in_the_step_and_the_functions_it_calls(
     assert sorted(types[n] for n in found) == ["RandomUniform", "RandomUniform"], found
 
 
+def test_a_conditional_holds_what_its_gradient_reads_from_the_forward_to_the_backward_pass():
+    """cond_v2 wraps the intermediates a branch's gradient reads (here ``tanh(x)``, or
+    ``relu(x)``) in an optional, one more output of the forward ``If``: it holds their
+    bytes until the gradient ``If`` reads them."""
+
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = tf.cond(tf.reduce_mean(x) > 0, lambda: tf.nn.relu(x), lambda: 2.0 * tf.tanh(x))
+            loss = tf.reduce_sum(tf.square(y))
+        return tape.gradient(loss, x)
+
+    traced = trace(step, (tf.ones((64, 256)),))
+    fwd = [r for r in traced.records if r.op_type in ("If", "StatelessIf") and not r.name.startswith("gradient")]
+    assert len(fwd) == 1, [r.name for r in traced.records if "If" in r.op_type]
+    (optional,) = [t for t in fwd[0].outputs if t.dtype == "variant"]
+    assert optional.bytes == 64 * 256 * 4
+
+
 # -- kernel scratch probes (tfremat.scratch) --------------------------------------------
 def _conv_step_traced():
     import sys
@@ -108,7 +128,7 @@ def test_scratch_probes_cover_each_signature_once_and_a_failed_probe_fails_nothi
     traced = _conv_step_traced()
     seen = []
 
-    def failing(tf_, node_def, spec, record, device, library=None):
+    def failing(tf_, node_def, spec, record, device, library=None, forward=None):
         attrs = tuple(sorted((k, v.SerializeToString(deterministic=True))
                              for k, v in node_def.attr.items() if not k.startswith("_")))
         seen.append((record.op_type, tuple(s for s, _, _ in spec), attrs))
@@ -177,6 +197,38 @@ def test_an_einsum_that_transposes_its_inputs_is_probed():
     assert einsums, [r.op_type for r in traced.records]
     found = sc.measure_scratch(traced, "CPU:0")
     assert found.get(einsums[0], 0) >= 2 * 2**20, found
+
+
+def test_a_max_pool_gradient_is_probed_beside_its_forward_pool(monkeypatch):
+    """Alone, ``MaxPoolGrad`` runs Eigen's kernel, which recomputes the arg-max into
+    int64 temporaries (6 MiB here); in a step, oneDNN pairs it with its ``MaxPool``,
+    whose workspace it reads (0.5 MiB). The probe runs the pair, and the forward's
+    output is not counted as scratch."""
+    import tfremat.scratch as sc
+    from tfremat.api import _ONEDNN_SMALLEST_COUNTED, _smallest_counted
+
+    try:
+        tf.config.experimental.get_memory_info("CPU:0")
+    except ValueError:
+        pytest.skip("this TensorFlow reports no CPU allocator statistics: nothing is probed")
+
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = tf.nn.max_pool2d(x, 2, 2, "VALID")
+            loss = tf.reduce_sum(y * y)
+        return tape.gradient(loss, x)
+
+    traced = trace(step, (tf.ones((32, 32, 32, 64)),))
+    (grad,) = [r.name for r in traced.records if r.op_type == "MaxPoolGrad"]
+    paired = sc.measure_scratch(traced, "CPU:0").get(grad, 0)
+    monkeypatch.setattr(sc, "_PAIRED_FORWARD", {})
+    alone = sc.measure_scratch(traced, "CPU:0").get(grad, 0)
+    assert alone >= 4 * 2**20, alone  # the arg-max alone: int64 of the 2 MiB output
+    assert paired <= alone, (paired, alone)
+    if _smallest_counted("CPU:0") == _ONEDNN_SMALLEST_COUNTED:  # oneDNN's allocator
+        assert paired <= 2**20, paired
 
 
 def test_no_scratch_probes_while_an_outer_function_traces():
