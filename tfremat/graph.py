@@ -194,6 +194,9 @@ def _loop_writers(g: nx.DiGraph, records, by_name: dict) -> None:
 
 # Function calls (their bodies opaque to the plan; tfremat.scratch probes XLA ones).
 CALL_OPS = frozenset({"PartitionedCall", "StatefulPartitionedCall"})
+# Conditionals: their branches are functions too, and the forward one's outputs include
+# the optional holding what its gradient reads (trace._optional_bytes).
+BRANCH_OPS = frozenset({"If", "StatelessIf", "Case", "StatelessCase"})
 
 
 def _call_output_readers(g: nx.DiGraph, records) -> None:
