@@ -50,6 +50,18 @@ def test_infeasible_budget_error_is_value_error_with_fields():
     assert "3.000 GiB" in str(e) and "budget_gib" in str(e)
 
 
+@pytest.mark.parametrize("need", [10, 5 * 2**20 + 1, 150 * 2**20, 3 * 2**30 + 5])
+def test_infeasible_budget_error_suggests_a_budget_gib_that_is_enough(need):
+    """The suggested budget_gib is never rounded below what is needed (at 3 decimals a
+    budget under 0.5 MiB read 'at least 0.000'), and small sizes read in their unit."""
+    import re
+
+    e = tfremat.InfeasibleBudgetError(need // 2, need)
+    suggested = float(re.search(r"budget_gib to at least ([0-9.]+)", str(e)).group(1))
+    assert need <= suggested * 2**30 <= 1.001 * need + 2**20
+    assert "0.000 GiB" not in str(e)
+
+
 def test_error_hierarchy():
     assert issubclass(tfremat.UnknownShapeError, tfremat.UnsupportedGraphError)
     assert issubclass(tfremat.UnsupportedGraphError, tfremat.RematError)

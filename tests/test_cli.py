@@ -70,7 +70,22 @@ def test_infeasible_budget_exit_status_and_json(tmp_path, capsys):
     assert rc == 3
     res = json.loads(out.read_text())
     assert res["status"] == "infeasible" and res["min_feasible_bytes"] > 50
-    assert "too small" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "too small" in err and f"--budget-bytes {res['min_feasible_bytes']}" in err
+
+
+def test_a_graph_of_zero_byte_tensors_solves(tmp_path, capsys):
+    """Nothing to divide by: the summary leaves out its ratios instead of failing."""
+    data = {"directed": True, "multigraph": False, "graph": {"name": "z", "order": [0, 1, 2]},
+            "nodes": [{"id": i, "name": str(i), "cost_cpu": 1, "cost_ram": 0} for i in range(3)],
+            "links": [{"source": 0, "target": 1}, {"source": 1, "target": 2}]}
+    gpath = tmp_path / "z.json"
+    gpath.write_text(json.dumps(data))
+    out = tmp_path / "o.json"
+    assert main(["solve", str(gpath), "--budget-fraction", "0.8", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["peak"] == 0 and res["schedule"] == [0, 1, 2]
+    assert "x budget" not in capsys.readouterr().out
 
 
 def test_bad_arguments(tmp_path, capsys):

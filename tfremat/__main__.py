@@ -72,9 +72,10 @@ def _cmd_solve(args: argparse.Namespace) -> int:
         budget = int(math.ceil(args.budget_fraction * ref.peak_bytes))
     name = os.path.basename(args.graph)
     peak_lb = single_op_lower_bound(g)
+    of_ref = f" ({budget / ref.peak_bytes:.3f} x reference)" if ref.peak_bytes else ""
     print(f"{name}: {g.number_of_nodes()} nodes, {g.number_of_edges()} edges; reference "
-          f"peak {ref.peak_bytes}, cost {ref.cost:g}; budget {budget} "
-          f"({budget / ref.peak_bytes:.3f} x reference); single-op lower bound {peak_lb}")
+          f"peak {ref.peak_bytes}, cost {ref.cost:g}; budget {budget}"
+          f"{of_ref}; single-op lower bound {peak_lb}")
     problem = Problem(g, budget, 0, args.time_limit)
     t0 = time.perf_counter()
     out: dict = {"graph": name, "budget": budget, "solver": args.solver}
@@ -85,7 +86,11 @@ def _cmd_solve(args: argparse.Namespace) -> int:
         out.update(status="infeasible", cost=None, peak=None, lower_bound=ref.cost,
                    solve_s=time.perf_counter() - t0, schedule=None,
                    min_feasible_bytes=e.min_feasible_bytes, peak_lower_bound=peak_lb)
-        print(f"infeasible: {e}", file=sys.stderr)
+        # The library's message speaks of budget_gib and batch sizes; here of bytes.
+        print(f"infeasible: budget {budget} bytes is too small: the smallest budget "
+              f"{args.solver!r} can meet is {e.min_feasible_bytes} bytes (single-op lower "
+              f"bound {peak_lb}). Rerun with --budget-bytes {e.min_feasible_bytes} or more, "
+              "or another --solver", file=sys.stderr)
         _write_json(args.json, out)
         return EXIT_INFEASIBLE
     except RematError as e:  # e.g. SolverUnavailableError: the message says what to install
@@ -99,8 +104,9 @@ def _cmd_solve(args: argparse.Namespace) -> int:
                reference_cost=ref.cost, reference_peak=ref.peak_bytes,
                peak_lower_bound=peak_lb)
     extra = (sim.cost - ref.cost) / ref.cost if ref.cost else 0.0
-    print(f"{plan.solver}: {plan.status}; peak {sim.peak_bytes} "
-          f"({sim.peak_bytes / budget:.3f} x budget); cost {sim.cost:g} (+{100 * extra:.2f}% "
+    of_budget = f" ({sim.peak_bytes / budget:.3f} x budget)" if budget else ""
+    print(f"{plan.solver}: {plan.status}; peak {sim.peak_bytes}"
+          f"{of_budget}; cost {sim.cost:g} (+{100 * extra:.2f}% "
           f"over every node once); {len(plan.recomputed)} nodes recomputed, "
           f"{len(plan.schedule) - g.number_of_nodes()} extra ops; lower bound {lower:g}; "
           f"{plan.solve_s:.2f} s")

@@ -2,11 +2,32 @@
 
 from __future__ import annotations
 
+import math
+
 GIB = 2**30
 
 
 def _gib(n: int | float) -> str:
-    return f"{n / GIB:.3f} GiB"
+    """``n`` bytes in the largest unit that keeps it at 1 or more (GiB at most)."""
+    for unit, size in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.3f} {unit}" if unit == "GiB" else f"{n / size:.1f} {unit}"
+    return f"{int(n)} bytes"
+
+
+def _bytes(n: int) -> str:
+    """``n`` bytes in a unit, with the exact count beside it where they differ."""
+    return _gib(n) if abs(n) < 2**10 else f"{_gib(n)} ({int(n)} bytes)"
+
+
+def _gib_at_least(n: int | float) -> str:
+    """The shortest decimal GiB value (4 significant digits, at least 3 decimals) that
+    is at least ``n`` bytes: a budget_gib to ask for, never rounded below."""
+    x = n / GIB
+    if x <= 0:
+        return "0"
+    digits = max(3, 3 - math.floor(math.log10(x)))
+    return f"{math.ceil(x * 10**digits) / 10**digits:.{digits}f}"
 
 
 class RematError(Exception):
@@ -59,10 +80,9 @@ class InfeasibleBudgetError(RematError, ValueError):
         self.min_feasible_bytes = int(min_feasible_bytes)
         self._init_args = (budget_bytes, min_feasible_bytes, detail)
         msg = (
-            f"budget {_gib(budget_bytes)} ({budget_bytes} bytes) is too small: the "
-            f"smallest budget this solver can meet is {_gib(min_feasible_bytes)} "
-            f"({min_feasible_bytes} bytes). Raise budget_gib to at least "
-            f"{min_feasible_bytes / GIB:.3f}, reduce the batch size, or try another "
+            f"budget {_bytes(budget_bytes)} is too small: the smallest budget this "
+            f"solver can meet is {_bytes(min_feasible_bytes)}. Raise budget_gib to at least "
+            f"{_gib_at_least(min_feasible_bytes)}, reduce the batch size, or try another "
             "solver (solver='exact')."
         )
         if detail:
