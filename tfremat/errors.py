@@ -7,7 +7,7 @@ import math
 GIB = 2**30
 
 
-def _gib(n: int | float) -> str:
+def _size(n: int | float) -> str:
     """``n`` bytes in the largest unit that keeps it at 1 or more (GiB at most)."""
     for unit, size in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(n) >= size:
@@ -17,7 +17,7 @@ def _gib(n: int | float) -> str:
 
 def _bytes(n: int) -> str:
     """``n`` bytes in a unit, with the exact count beside it where they differ."""
-    return _gib(n) if abs(n) < 2**10 else f"{_gib(n)} ({int(n)} bytes)"
+    return _size(n) if abs(n) < 2**10 else f"{_size(n)} ({int(n)} bytes)"
 
 
 def _gib_at_least(n: int | float) -> str:

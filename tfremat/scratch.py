@@ -105,7 +105,8 @@ def measure_scratch(traced, device: str, time_limit_s: float = _TIME_LIMIT_S) ->
         return {}
     nodes = {n.name: n for n in traced.graph_def.node}
     by_name = {r.name: r for r in traced.records}
-    # signature (op type, attributes, input specs) -> names of the ops that share it
+    # signature (op type, attributes, input specs, paired forward op) -> names of the
+    # ops that share it
     groups: dict[tuple, list[str]] = {}
     for r in traced.records:
         if r.name not in nodes or not r.outputs or not _probed(r.op_type, nodes[r.name]):
@@ -113,19 +114,17 @@ def measure_scratch(traced, device: str, time_limit_s: float = _TIME_LIMIT_S) ->
         spec = _input_specs(r, by_name)
         if spec is None:
             continue
-        forward = _paired_forward(r, by_name)
-        if forward is not None:  # part of the signature: the pair is what runs
-            spec = spec + (("paired", forward.name),)
+        forward = _paired_forward(r, by_name)  # part of the signature: the pair is what runs
         node = nodes[r.name]
         attrs = tuple(sorted(
             (k, v.SerializeToString(deterministic=True)) for k, v in node.attr.items() if not k.startswith("_")
         ))
-        groups.setdefault((r.op_type, attrs, spec), []).append(r.name)
+        groups.setdefault((r.op_type, attrs, spec, forward and forward.name), []).append(r.name)
     out: dict[str, int] = {}
     zeros: dict[tuple, int] = {}  # (op type, dtype) -> probes that measured no scratch
     largest: dict[tuple, int] = {}  # (op type, dtype) -> largest scratch measured
     start = time.perf_counter()
-    for (_, _, spec), names in groups.items():
+    for (_, _, spec, forward_name), names in groups.items():
         r = by_name[names[0]]
         # one kind per op type and dtype; a call's kind is its signature (its function
         # may be anything)
@@ -136,9 +135,8 @@ def measure_scratch(traced, device: str, time_limit_s: float = _TIME_LIMIT_S) ->
             bytes_ = largest.get(kind, 0)
         else:
             try:
-                forward = _paired_forward(r, by_name)
-                bytes_ = _probe(tf, nodes[r.name], spec[:len(r.inputs)], r, device, traced.graph_def.library,
-                                forward=None if forward is None else (nodes.get(forward.name), forward))
+                forward = (nodes[forward_name], by_name[forward_name]) if forward_name in nodes else None
+                bytes_ = _probe(tf, nodes[r.name], spec, r, device, traced.graph_def.library, forward=forward)
             except Exception:  # noqa: BLE001 - a measurement, never a reason to fail planning
                 continue  # an op that cannot run alone keeps no scratch estimate
             if bytes_ > 0:
@@ -184,6 +182,19 @@ def _input_specs(r: OpRecord, by_name: Mapping[str, OpRecord]) -> tuple | None:
     return tuple(spec)
 
 
+def _add_copy(gd, node_def, name: str, inputs: Sequence[str], keep: Sequence[str] = ()) -> None:
+    """Add to ``gd`` a copy of ``node_def`` named ``name`` reading ``inputs``, on no
+    device, without internal (``_``) attributes other than ``keep``."""
+    n = gd.node.add()
+    n.CopyFrom(node_def)
+    n.name = name
+    del n.input[:]
+    n.input.extend(inputs)
+    n.device = ""
+    for k in [k for k in n.attr if k.startswith("_") and k not in keep]:
+        del n.attr[k]
+
+
 def _probe(tf, node_def, spec: Sequence, record: OpRecord, device: str, library=None,
            forward=None) -> int:
     """Run the op alone on zeros of its input shapes; its scratch bytes (0 if none).
@@ -194,18 +205,11 @@ def _probe(tf, node_def, spec: Sequence, record: OpRecord, device: str, library=
     gd = tf.compat.v1.GraphDef()
     if record.op_type in CALL_OPS and library is not None:
         gd.library.CopyFrom(library)
-    paired = _PAIRED_FORWARD[record.op_type][0] if forward is not None and forward[0] is not None else None
+    paired = _PAIRED_FORWARD[record.op_type][0] if forward is not None else None
     fed = []
     for i, (shape, dtype, value) in enumerate(spec):
         if i == paired:
-            f = gd.node.add()
-            f.CopyFrom(forward[0])
-            f.name = f"in{i}"
-            del f.input[:]
-            f.input.append("in0")
-            f.device = ""
-            for k in [k for k in f.attr if k.startswith("_")]:
-                del f.attr[k]
+            _add_copy(gd, forward[0], f"in{i}", ["in0"])
             continue
         n = gd.node.add()
         n.name = f"in{i}"
@@ -217,14 +221,7 @@ def _probe(tf, node_def, spec: Sequence, record: OpRecord, device: str, library=
             n.op = "Placeholder"
             n.attr["shape"].shape.CopyFrom(tf.TensorShape(shape).as_proto())
             fed.append((n.name, shape, dtype))
-    op = gd.node.add()
-    op.CopyFrom(node_def)
-    op.name = "probe"
-    del op.input[:]
-    op.input.extend(f"in{i}" for i in range(len(spec)))
-    op.device = ""
-    for k in [k for k in op.attr if k.startswith("_") and k != _XLA_ATTR]:
-        del op.attr[k]
+    _add_copy(gd, node_def, "probe", [f"in{i}" for i in range(len(spec))], keep=(_XLA_ATTR,))
     n_out = len(record.outputs)
 
     @tf.function(input_signature=[tf.TensorSpec(s, tf.as_dtype(d)) for _, s, d in fed])

@@ -266,7 +266,6 @@ def _optional_bytes(op, index: int, functions: dict) -> int:
     gates (``benchmarks/keras_sweep.py cond_gate``): 4 MiB per gate held from the
     forward to the backward pass, which the plan had counted as nothing.
     """
-    tf = import_tf()
     t = op.outputs[index]
     best = 0
     for c in t.consumers():
@@ -279,18 +278,22 @@ def _optional_bytes(op, index: int, functions: dict) -> int:
                 if j - 1 >= len(fdef.signature.input_arg):
                     continue
                 arg = fdef.signature.input_arg[j - 1].name
-                for n in fdef.node_def:
-                    if n.op != "OptionalGetValue" or not n.input or n.input[0] != arg:
-                        continue
-                    total = 0
-                    for shape, dt in zip(n.attr["output_shapes"].list.shape, n.attr["output_types"].list.type):
-                        dims = [d.size for d in shape.dim]
-                        if shape.unknown_rank or any(d < 0 for d in dims):
-                            total = 0
-                            break
-                        total += math.prod(dims) * tf.as_dtype(dt).size
-                    best = max(best, total)
+                best = max([best] + [_unwrapped_bytes(n) for n in fdef.node_def
+                                     if n.op == "OptionalGetValue" and n.input and n.input[0] == arg])
     return int(best)
+
+
+def _unwrapped_bytes(node) -> int:
+    """Bytes an ``OptionalGetValue`` node returns, from its static ``output_shapes``
+    (0 if any is unknown)."""
+    tf = import_tf()
+    total = 0
+    for shape, dt in zip(node.attr["output_shapes"].list.shape, node.attr["output_types"].list.type):
+        dims = [d.size for d in shape.dim]
+        if shape.unknown_rank or any(d < 0 for d in dims):
+            return 0
+        total += math.prod(dims) * tf.as_dtype(dt).size
+    return total
 
 
 def _output_infos(op, functions: dict) -> tuple[TensorInfo, ...]:
