@@ -497,30 +497,30 @@ def _builders():
     def conv_stem(inp, c=32):
         return L.BatchNormalization()(L.Conv2D(c, 3, padding="same", activation="relu")(inp))
 
+    def layered_cnn(name, layer, activation="relu"):
+        """A small CNN with ``layer()`` after its stem and after its second conv."""
+        inp = keras.Input(EXTRA[name][1])
+        h = layer()(conv_stem(inp))
+        h = layer()(L.Conv2D(32, 3, padding="same", activation=activation)(h))
+        h = L.MaxPooling2D()(L.Conv2D(64, 3, padding="same", activation="relu")(h))
+        return keras.Model(inp, L.Dense(10)(L.GlobalAveragePooling2D()(h)))
+
     def cond_gate():
         # a branch on a tensor's value (tf.cond: StatelessIf) in the forward pass
         class Gate(L.Layer):
             def call(self, t):
                 return tf.cond(tf.reduce_mean(t) > 0.0, lambda: tf.nn.relu(t), lambda: 2.0 * tf.tanh(t))
 
-        inp = keras.Input(EXTRA["cond_gate"][1])
-        h = Gate()(conv_stem(inp))
-        h = Gate()(L.Conv2D(32, 3, padding="same")(h))
-        h = L.MaxPooling2D()(L.Conv2D(64, 3, padding="same", activation="relu")(h))
-        return keras.Model(inp, L.Dense(10)(L.GlobalAveragePooling2D()(h)))
+        return layered_cnn("cond_gate", Gate, activation=None)
 
     def stateful_dropout():
-        # tf.nn.dropout without a seed: a stateful RandomUniform whose draws continue
+        # tf.nn.dropout with no op seed (the global one seeds it): a stateful RandomUniform whose draws continue
         # from step to step (never recomputed; the stream must not restart)
         class TfDropout(L.Layer):
             def call(self, t, training=None):
                 return tf.nn.dropout(t, 0.3) if training else t
 
-        inp = keras.Input(EXTRA["stateful_dropout"][1])
-        h = TfDropout()(conv_stem(inp))
-        h = TfDropout()(L.Conv2D(32, 3, padding="same", activation="relu")(h))
-        h = L.MaxPooling2D()(L.Conv2D(64, 3, padding="same", activation="relu")(h))
-        return keras.Model(inp, L.Dense(10)(L.GlobalAveragePooling2D()(h)))
+        return layered_cnn("stateful_dropout", TfDropout)
 
     def scan_rnn():
         # a recurrence written with tf.scan (a while loop over TensorArrays)
@@ -566,11 +566,7 @@ def _builders():
             def call(self, t):
                 return ste_round(t)
 
-        inp = keras.Input(EXTRA["ste_quant"][1])
-        h = Quant()(conv_stem(inp))
-        h = Quant()(L.Conv2D(32, 3, padding="same", activation="relu")(h))
-        h = L.MaxPooling2D()(L.Conv2D(64, 3, padding="same", activation="relu")(h))
-        return keras.Model(inp, L.Dense(10)(L.GlobalAveragePooling2D()(h)))
+        return layered_cnn("ste_quant", Quant)
 
     def recompute_grad_block():
         # residual blocks the user already wrapped in tf.recompute_grad
