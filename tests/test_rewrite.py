@@ -588,6 +588,34 @@ def test_a_floating_op_reserves_its_room_at_every_position_it_may_run_at():
     assert waits(peak + size, fixed_bytes=1) == {exp, sin}
 
 
+def test_kernels_with_big_scratch_run_one_at_a_time_under_strict_ordering():
+    """Three reductions of ``x`` (tiny outputs, never ordered as big allocations)
+    may all run at once; given scratch of a tensor each, strict ordering chains them
+    in the schedule's order, and leaves one with little scratch alone. Without
+    strict ordering nothing waits."""
+    from tfremat.rewrite import rewrite_graph_def
+
+    @tf.function
+    def f(x):
+        y = tf.exp(x)
+        return tf.reduce_sum(y), tf.reduce_max(y), tf.reduce_min(y), tf.reduce_prod(y)
+
+    traced = trace(f, (tf.ones((64, 64)),), {})
+    g = build_graph(traced.records, traced.arg_placeholders).graph
+    ops = {n.name: n.op for n in traced.graph_def.node}
+    order = list(g.graph["order"])
+    red = sorted((only(ops, t) for t in ("Sum", "Max", "Min", "Prod")), key=order.index)
+    size = g.nodes[only(ops, "Exp")]["bytes"]
+    scratch = {red[0]: size, red[1]: size, red[2]: size, red[3]: 8}
+
+    def waits(strict):
+        gd, _ = rewrite_graph_def(traced.graph_def, order, g, traced.dtypes, strict=strict, scratch=scratch)
+        return [sorted(red.index(u) for u in _ancestors(gd, v) if u in red) for v in red]
+
+    assert waits(True) == [[], [0], [0, 1], []]
+    assert waits(False) == [[], [], [], []]
+
+
 def test_a_control_input_from_a_product_grappler_rewrites_orders_nothing():
     """TensorFlow's GELU gradient computes ``Square(x / sqrt 2)`` under a control
     input from a product of the incoming gradient; the arithmetic optimizer rewrites
@@ -719,16 +747,12 @@ def test_a_merged_twin_is_no_consumer_of_the_product_it_reads():
     assert waits and "^" + prod not in waits, waits
 
 
-def test_a_copy_never_waits_on_what_a_fused_bias_gradient_feeds():
-    """oneDNN's layout pass fuses a ``BiasAddGrad`` with the ``Conv2DBackpropFilter``
-    sharing its input, and the fused node runs when the filter gradient can. A copy
-    of that filter gradient's input which waited on the bias's update (fed by the
-    ``BiasAddGrad``) closed a cycle at run time ("19 nodes in a cycle" here with the
-    wait, the residual CNN test model at 60 % when SGD's updates ran early). The
-    schedule is written out, so the test does not depend on what a solver picks."""
-    from tfremat.emit import emit
-    from tfremat.rewrite import rewrite_graph_def
-
+def _bias_gradient_first():
+    """A two-convolution step whose schedule runs the second convolution's bias
+    gradient and update before its filter gradient (which oneDNN fuses with that
+    bias gradient), with ``h`` recomputed just before the filter gradient. Written
+    out, so tests do not depend on what a solver picks. Returns ``(step, x,
+    variables, traced, graph, schedule, names)``."""
     k1 = tf.Variable(tf.random.stateless_normal((3, 3, 3, 8), (1, 2)) * 0.2)
     k2 = tf.Variable(tf.random.stateless_normal((3, 3, 8, 8), (3, 4)) * 0.2)
     b2 = tf.Variable(tf.zeros((8,)))
@@ -765,20 +789,58 @@ def test_a_copy_never_waits_on_what_a_fused_bias_gradient_feeds():
     # the bias's gradient and update first, then h recomputed just before the filter gradient
     sched = rest[: order.index(bias_grad)] + moved + rest[order.index(bias_grad): at] + [h] + rest[at:]
     assert sorted(set(sched)) == sorted(order)
+    names = dict(bias_grad=bias_grad, h=h, filter_grad=filter_grad, bias_update=bias_update,
+                 update_chain=update_chain)
+    return step, x, (k1, k2, b2), traced, g, sched, names
 
-    gd, _ = rewrite_graph_def(traced.graph_def, sched, g, traced.dtypes, strict=True)
-    (copy,) = [n.name for n in gd.node if n.op == "Relu" and n.name.startswith(h + "/")]
-    waits = _ancestors(gd, copy)
-    assert bias_update not in waits and bias_grad not in waits
 
-    start = [v.numpy() for v in (k1, k2, b2)]
-    got = emit(traced, gd)(x).numpy()  # raised "nodes in a cycle" with the wait
-    got_vars = [v.numpy() for v in (k1, k2, b2)]
-    for v, s in zip((k1, k2, b2), start):
+def _runs_as_traced(step, x, variables, traced, gd):
+    """The emitted ``gd`` computes what ``step`` does: loss and variables, bitwise."""
+    from tfremat.emit import emit
+
+    start = [v.numpy() for v in variables]
+    got = emit(traced, gd)(x).numpy()
+    got_vars = [v.numpy() for v in variables]
+    for v, s in zip(variables, start):
         v.assign(s)
     assert got == step(x).numpy()
-    for a, v in zip(got_vars, (k1, k2, b2)):
+    for a, v in zip(got_vars, variables):
         assert (a == v.numpy()).all()
+
+
+def test_a_copy_never_waits_on_what_a_fused_bias_gradient_feeds():
+    """oneDNN's layout pass fuses a ``BiasAddGrad`` with the ``Conv2DBackpropFilter``
+    sharing its input, and the fused node runs when the filter gradient can. A copy
+    of that filter gradient's input which waited on the bias's update (fed by the
+    ``BiasAddGrad``) closed a cycle at run time ("19 nodes in a cycle" here with the
+    wait, the residual CNN test model at 60 % when SGD's updates ran early)."""
+    from tfremat.rewrite import rewrite_graph_def
+
+    step, x, variables, traced, g, sched, n = _bias_gradient_first()
+    gd, _ = rewrite_graph_def(traced.graph_def, sched, g, traced.dtypes, strict=True)
+    (copy,) = [m.name for m in gd.node if m.op == "Relu" and m.name.startswith(n["h"] + "/")]
+    waits = _ancestors(gd, copy)
+    assert n["bias_update"] not in waits and n["bias_grad"] not in waits
+    _runs_as_traced(step, x, variables, traced, gd)  # raised "nodes in a cycle" with the wait
+
+
+def test_a_kernel_with_scratch_never_waits_on_what_its_fused_sibling_feeds():
+    """The chain of kernels with big scratch skips an edge that the fusion of a
+    filter gradient with its bias gradient would close into a cycle: here the
+    filter gradient would wait on the bias's update, which the bias gradient feeds.
+    The next kernel with scratch still waits on the update."""
+    from tfremat.rewrite import rewrite_graph_def
+
+    step, x, variables, traced, g, sched, n = _bias_gradient_first()
+    later = next(v for v in sched[sched.index(n["filter_grad"]) + 1:]
+                 if traced.graph_def.node and v in g and g.nodes[v].get("phase") == "backward"
+                 and n["filter_grad"] not in _ancestors(traced.graph_def, v))
+    big = max(d["bytes"] for _, d in g.nodes(data=True))
+    scratch = {n["bias_update"]: big, n["filter_grad"]: big, later: big}
+    gd, _ = rewrite_graph_def(traced.graph_def, sched, g, traced.dtypes, strict=True, scratch=scratch)
+    assert n["bias_update"] not in _ancestors(gd, n["filter_grad"])
+    assert n["filter_grad"] in _ancestors(gd, later)
+    _runs_as_traced(step, x, variables, traced, gd)
 
 
 @pytest.mark.parametrize("n", [3, 5, 9, 10, 17, 26])
