@@ -485,8 +485,8 @@ def rewrite_graph_def(
     def fusion_cycle(u: str, v: str) -> bool:
         """Whether ``v`` waiting on ``u`` closes a cycle once oneDNN fuses either
         with a sibling (the fused node takes both ops' inputs and outputs)."""
-        us = {_copy_base(u) or u} | fusable.get(_copy_base(u) or u, set())
-        vs = {_copy_base(v) or v} | fusable.get(_copy_base(v) or v, set())
+        u, v = _copy_base(u) or u, _copy_base(v) or v
+        us, vs = {u} | fusable.get(u, set()), {v} | fusable.get(v, set())
         return any(a in descendants(b) for a in us for b in vs)
 
     gates: dict = {}
@@ -545,6 +545,11 @@ def rewrite_graph_def(
     # every op put control edges between ops Grappler later fuses (oneDNN's
     # Conv2DBackpropFilter + BiasAddGrad), and the fused node closed a cycle.
     min_bytes = max(1, largest // 64)
+
+    def ordered_alloc(name: str) -> bool:
+        """Whether strict ordering chains ``name`` as a big allocation."""
+        return name in graph and graph.nodes[name]["bytes"] >= min_bytes and originals[name].op not in FUSED_WITH_SIBLING
+
     sc = scratch or {}
     last_scratch = ""  # the latest op with scratch of at least min_bytes
     room = _room(graph, schedule, limit_bytes, fixed_bytes, sc) if strict and limit_bytes else None
@@ -664,14 +669,13 @@ def rewrite_graph_def(
             # each, a few KiB of output): 62.8 and 65.8 MiB on a 64.2 MiB budget for
             # 52.7 predicted. Kernels ordered as big allocations keep only those
             # edges: each one more is a control input Grappler's rewrites must keep.
-            ordered = v in graph and graph.nodes[v]["bytes"] >= min_bytes and src.op not in FUSED_WITH_SIBLING
-            if not ordered and last_scratch and not fusion_cycle(last_scratch, node.name):
+            if not ordered_alloc(v) and last_scratch and not fusion_cycle(last_scratch, node.name):
                 node.input.append("^" + last_scratch)
             last_scratch = node.name
         if strict and phase(v) != "input":
             data_srcs = {_split(i)[0] for i in node.input if not i.startswith("^")}
             own = graph.nodes[v]["bytes"]
-            if own >= min_bytes and src.op not in FUSED_WITH_SIBLING:
+            if ordered_alloc(v):
                 if room is not None:
                     # An early run brings forward the kernel's scratch with its output,
                     # and that of every consumer left unordered (small, or fused with a
@@ -681,8 +685,7 @@ def rewrite_graph_def(
                     need = own + sc.get(v, 0) + sum(
                         sc.get(c, 0)
                         for c in data_consumers.get(v, ())
-                        if c in graph
-                        and (graph.nodes[c]["bytes"] < min_bytes or originals[c].op in FUSED_WITH_SIBLING)
+                        if c in graph and not ordered_alloc(c)
                     )
                     if start >= j or int(room[start:j].min()) >= need:
                         room[start:j] -= need

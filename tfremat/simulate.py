@@ -260,16 +260,23 @@ def free_running_order(graph: nx.DiGraph, schedule: Sequence[Node]) -> list:
         if v in pos:
             raise InvalidScheduleError(f"node {v!r} is computed twice; free_running_order takes plain orders")
         pos[v] = j
-    preds: dict = {v: [u for u in graph.predecessors(v) if u in pos] for v in pos}
-    for u, v in graph.graph.get("order_edges", ()):
-        if u in pos and v in pos:
-            preds[v].append(u)
+    preds = _waits_for(graph, pos)
     depth: dict = {}
     # graphlib, not schedule order: a graph with the edges Grappler's regrouping
     # gives (tfremat.graph.regrouped) may read a constant the schedule runs later.
     for v in graphlib.TopologicalSorter(preds).static_order():
         depth[v] = 1 + max((depth[u] for u in preds[v]), default=-1)
     return sorted(pos, key=lambda v: (depth[v], pos[v]))
+
+
+def _waits_for(graph: nx.DiGraph, nodes) -> dict:
+    """Node of ``nodes`` -> the set of nodes of ``nodes`` it waits for: its data
+    predecessors and its ``order_edges`` sources."""
+    preds: dict = {v: {u for u in graph.predecessors(v) if u in nodes} for v in nodes}
+    for u, v in graph.graph.get("order_edges", ()):
+        if u in preds and v in preds:
+            preds[v].add(u)
+    return preds
 
 
 def scratch_peak(
@@ -304,10 +311,7 @@ def scratch_peak(
         return int(memory.max(initial=int(fixed_bytes)))
     ranked = sorted(held, key=held.get, reverse=True)
     bit = {v: 1 << i for i, v in enumerate(ranked)}
-    preds: dict = {v: set(graph.predecessors(v)) for v in graph}
-    for u, v in graph.graph.get("order_edges", ()):
-        if u in preds and v in preds:
-            preds[v].add(u)
+    preds = _waits_for(graph, set(graph))
     ancestors: dict = {}  # node -> bit mask of the scratch ops it depends on
     for v in graphlib.TopologicalSorter(preds).static_order():
         mask = 0
