@@ -335,3 +335,57 @@ def test_no_regrouping_is_recorded_where_grappler_keeps_the_pairing():
     records = _softmax_gradient_records()
     records.append(_op("other", "Neg", ["gradient_tape/mul:0"], [_t(MIB, (256, 1024))]))
     assert build_graph(records, ["x"]).graph.graph["regrouped"] == {}
+
+
+def _tiled_ones(multiples_bytes=MIB):
+    """The gradient of ``reduce_sum(h * h)`` starts from ``Tile(Reshape(ones), m)``."""
+    shape = (multiples_bytes // 4 // 1024, 1024)
+    return [
+        _op("x", "Placeholder", out=[_t(multiples_bytes, shape)]),
+        _op("ones", "Const", out=[_t(4, ())], digest="1.0"),
+        _op("shape", "Const", out=[_t(8, (2,), "int32")], digest="shape"),
+        _op("m", "Const", out=[_t(8, (2,), "int32")], digest="m"),
+        _op("r", "Reshape", ["ones:0", "shape:0"], [_t(4, (1, 1))]),
+        _op("tile", "Tile", ["r:0", "m:0"], [_t(multiples_bytes, shape)]),
+        _op("grad", "Mul", ["tile:0", "x:0"], [_t(multiples_bytes, shape)]),
+    ]
+
+
+def test_ops_computed_from_constants_are_constants_held_from_the_first_call():
+    """Grappler folds the chain; its last op is a Const the executor holds (measured:
+    a 0.5 MiB Tile of ones allocated at the start of every call, never freed)."""
+    sg = build_graph(_tiled_ones(), ["x"])
+    g = sg.graph
+    assert g.nodes["tile"]["bytes"] == 0 and g.nodes["tile"]["folded"]
+    assert g.nodes["r"]["bytes"] == 0  # read only by a folded op: gone
+    assert sg.folded_sizes == (MIB,)  # the Reshape's 4 bytes are not held
+    assert sg.constant_bytes == 4 + 8 + 8 + MIB
+    assert sg.argument_sizes == (MIB,)
+    assert g.nodes["grad"]["bytes"] == MIB
+
+
+def test_a_constant_result_over_grapplers_size_limit_is_not_folded():
+    from tfremat.graph import MAX_FOLDED_BYTES
+
+    big = 2 * MAX_FOLDED_BYTES
+    sg = build_graph(_tiled_ones(big), ["x"])
+    assert sg.graph.nodes["tile"]["bytes"] == big
+    assert sg.folded_sizes == ()  # (the Reshape is a view: no bytes of its own)
+
+
+def test_softmax_writes_into_its_input():
+    """TensorFlow's Softmax kernel forwards its input's buffer when nothing else reads
+    it (measured on the attention model of test_tf_memory: an attention's scores and
+    its softmax were one 2 MiB allocation)."""
+    shape = (256, 1024)
+    recs = [
+        _op("x", "Placeholder", out=[_t(MIB, shape)]),
+        _op("s", "Mul", ["x:0", "x:0"], [_t(MIB, shape)]),
+        _op("p", "Softmax", ["s:0"], [_t(MIB, shape)]),
+        _op("y", "Neg", ["p:0"], [_t(MIB, shape)]),
+        _op("z", "AddV2", ["p:0", "y:0"], [_t(MIB, shape)]),
+    ]
+    g = build_graph(recs, ["x"]).graph
+    assert g.nodes["p"]["inplace"]
+    # s's buffer becomes p's: p and y at once, then z into y's
+    assert simulate(g, ["x", "s", "p", "y", "z"]).peak_bytes == 2 * MIB

@@ -43,7 +43,7 @@ INPLACE_OPS = frozenset(
         "Log", "Log1p", "Erf", "Cos", "Sin", "Pow", "SquaredDifference", "AddN",
         "ReluGrad", "Relu6Grad", "EluGrad", "SeluGrad", "LeakyReluGrad", "TanhGrad",
         "SigmoidGrad", "SoftplusGrad", "RsqrtGrad", "SqrtGrad", "Reciprocal", "Floor",
-        "Round", "Sign",
+        "Round", "Sign", "Softmax", "LogSoftmax",
     }
 )
 

@@ -293,16 +293,33 @@ def _constant_derived(records: Sequence[OpRecord]) -> dict[str, bool]:
     return derived
 
 
-def _fold_splat_constants(records, by_name, g) -> int:
-    """Zero the bytes of splat ops Grappler folds; return their bytes, merged.
+# Grappler's constant folding keeps a folded result only up to this size (its
+# ``kMaxConstantSize``); splats are stored compressed and fold at any size.
+MAX_FOLDED_BYTES = 10 << 20
 
-    Grappler's common-subexpression pass merges equal constants, so folded splats of
-    the same op kind, shape, dtype and value count once.
+
+def _fold_constants(records, by_name, g) -> list[int]:
+    """Zero the bytes of ops Grappler folds; return the sizes of the constants the
+    folded step holds.
+
+    Splat ops from constants and static shapes fold at any size, and Grappler's
+    common-subexpression pass merges equal ones (same op kind, shape, dtype and
+    value count once). Every other op computed from constants only folds where its
+    output is at most ``MAX_FOLDED_BYTES``: the folded chain's last op becomes a
+    ``Const`` the executor holds from the first call on, and the ops before it
+    (read only by folded ops) are gone. Measured on an attention step whose loss is
+    ``reduce_sum(h * h)``: the gradient's 0.5 MiB ``Tile`` of ones ran as a constant
+    allocated at the start of every call, first in the allocator's pool, where the
+    plan counted a temporary in the backward pass.
     """
     derived = _constant_derived(records)
+    readers: dict[str, list[str]] = {}
+    for r in records:
+        for t in r.inputs:
+            readers.setdefault(producer(t), []).append(r.name)
 
     seen: set = set()
-    total = 0
+    held: list[int] = []
     for r in records:
         if r.op_type not in SPLAT_OPS or len(r.outputs) != 1:
             continue
@@ -319,8 +336,21 @@ def _fold_splat_constants(records, by_name, g) -> int:
         g.nodes[r.name]["folded"] = True
         if key not in seen:
             seen.add(key)
-            total += out.bytes
-    return total
+            held.append(out.bytes)
+    def folds(r) -> bool:
+        return (derived.get(r.name, False) and r.op_type not in ("Const", "HostConst")
+                and r.op_type not in SHAPE_ONLY_OPS and all(t.bytes <= MAX_FOLDED_BYTES for t in r.outputs))
+
+    folding = {r.name for r in records if folds(r)}
+    for r in records:
+        if r.name not in folding or r.name not in g or g.nodes[r.name].get("folded") or g.nodes[r.name]["bytes"] <= 0:
+            continue
+        d = g.nodes[r.name]
+        if not all(c in folding for c in readers.get(r.name, ("",))):
+            held.append(int(d["bytes"]))  # a constant from here on (a step output too)
+        d["bytes"] = d["largest_tensor"] = 0
+        d["folded"] = True
+    return held
 
 
 @dataclasses.dataclass(frozen=True)
@@ -333,6 +363,10 @@ class StepGraph:
     argument_bytes: int
     constant_bytes: int
     variable_sizes: tuple[int, ...] = ()  # bytes of each variable the step reads or writes
+    # bytes of each constant Grappler folds (held from the first call on) and of each
+    # argument: buffers made before the step, in the allocator's pool where pooled
+    folded_sizes: tuple[int, ...] = ()
+    argument_sizes: tuple[int, ...] = ()
     # op name -> kernel scratch bytes (measured, ``tfremat.scratch``): live while the op runs
     scratch: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
@@ -737,6 +771,7 @@ def build_graph(
     order = [r.name for r in records]
     variable_sizes: dict[str, int] = {}
     argument_bytes = constant_bytes = 0
+    argument_sizes: list[int] = []
 
     for r in records:
         out_bytes = sum(t.bytes for t in r.outputs)
@@ -747,6 +782,7 @@ def build_graph(
         elif r.op_type == "Placeholder":
             if r.name in argument_ops:
                 argument_bytes += out_bytes
+                argument_sizes.append(out_bytes)
             out_bytes = 0
         elif alias:
             out_bytes = 0
@@ -817,7 +853,8 @@ def build_graph(
         if h in by_name:  # a handle the runtime keeps (dead ops are not in records)
             variable_sizes[h] = max(variable_sizes.get(h, 0), int(b))
 
-    constant_bytes += _fold_splat_constants(records, by_name, g)
+    folded_sizes = _fold_constants(records, by_name, g)
+    constant_bytes += sum(folded_sizes)
 
     # Grappler's common-subexpression elimination computes an op once for all its
     # twins: each later twin is an alias of the first (no bytes, no cost, its readers
@@ -969,4 +1006,6 @@ def build_graph(
         argument_bytes=int(argument_bytes),
         constant_bytes=int(constant_bytes),
         variable_sizes=tuple(int(b) for b in variable_sizes.values()),
+        folded_sizes=tuple(int(b) for b in folded_sizes),
+        argument_sizes=tuple(int(b) for b in argument_sizes),
     )
