@@ -625,7 +625,7 @@ class RematFunction:
         # budget: 23.0 MiB where its 0.5 MiB input was in the pool, 20.5 where it was
         # not; the profiler's allocations replayed through the pool model gave both.
         layouts = []
-        for arguments in (sg.argument_sizes, ()):
+        for arguments in dict.fromkeys((sg.argument_sizes, ())):  # one layout where there are none
             resident = [int(b) for b in (*sg.variable_sizes, *arguments, *sg.folded_sizes)]
             layouts.append((resident, max(0, sg.fixed_bytes + other - sum(resident))))
         peaks = [[allocator_peak(sg.planning_graph, schedule, resident, outside, **kw).peak_bytes

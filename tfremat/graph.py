@@ -337,6 +337,7 @@ def _fold_constants(records, by_name, g) -> list[int]:
         if key not in seen:
             seen.add(key)
             held.append(out.bytes)
+
     def folds(r) -> bool:
         return (derived.get(r.name, False) and r.op_type not in ("Const", "HostConst")
                 and r.op_type not in SHAPE_ONLY_OPS and all(t.bytes <= MAX_FOLDED_BYTES for t in r.outputs))
