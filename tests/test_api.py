@@ -515,6 +515,13 @@ def test_a_replan_that_grappler_cannot_run_keeps_the_plan_before(monkeypatch):
     import tfremat.api as api
     import tfremat.emit
 
+    from tfremat.simulate import simulate
+
+    # The pool model is not what this test is about: since session 36 its cautious
+    # layout (the 2 MiB input in the pool) can leave the re-plan no plan, by the
+    # process's history. Plans here are checked on the tensors alone.
+    monkeypatch.setattr(api.RematFunction, "_allocator_estimates", lambda self, sg, schedule, other: (
+        (simulate(sg.planning_graph, schedule, sg.fixed_bytes + other).peak_bytes,) * 2))
     x, y, ref_step, fn, budget = _mlp_with_a_tight_budget()
     first = fn.get_plan(x, y)
     peaks = iter([0, int(budget) + 2**20])  # call 1 goes over: re-plan
