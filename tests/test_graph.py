@@ -126,6 +126,30 @@ def test_a_control_input_orders_but_keeps_no_tensor_alive():
     assert simulate(g, order).peak_bytes == 2 * MIB
 
 
+def test_each_output_of_an_identity_n_holds_its_own_input():
+    """Output k of an ``IdentityN`` is its input k: a reader of output 1 holds input
+    1's buffer, not input 0's (a custom gradient's ``IdentityN`` passes its forward
+    values on; the planning graph followed input 0 for every output, holding a 1 MiB
+    tensor past its last reader and freeing the one still read)."""
+    shape = (256, 1024)  # 1 MiB of float32
+    records = [
+        _op("x", "Placeholder", out=[_t(MIB, shape)]),
+        _op("a", "Neg", ["x:0"], [_t(MIB, shape)]),
+        _op("b", "Exp", ["x:0"], [_t(2 * MIB)]),
+        _op("n", "IdentityN", ["a:0", "b:0"], [_t(MIB, shape), _t(2 * MIB)]),
+        _op("use_a", "Sum", ["n:0"], [_t(4, ())]),
+        _op("big", "Sqrt", ["x:0"], [_t(MIB, shape)]),
+        _op("use_b", "AddV2", ["n:1", "big:0"], [_t(MIB, shape)]),
+    ]
+    g = build_graph(records, ["x"]).graph
+    assert g.has_edge("b", "use_b") and g.edges["b", "use_b"]["kind"] == "liveness"
+    assert not g.has_edge("a", "use_b")
+    assert g.has_edge("a", "use_a") and not g.has_edge("b", "use_a")
+    # while `big` runs: b (2 MiB, read later through n:1) and big; a is dead
+    sim = simulate(g, ["x", "a", "b", "n", "use_a", "big", "use_b"])
+    assert sim.memory[5] == 3 * MIB, list(sim.memory)
+
+
 def test_a_schedule_breaking_a_control_edge_is_rejected():
     shape = (256, 1024)
     records = [

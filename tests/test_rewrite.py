@@ -304,6 +304,58 @@ def test_no_op_reads_an_alias_of_a_buffer_the_plan_recomputed():
     assert not stale, stale
 
 
+def test_a_backward_alias_of_a_recomputed_value_reads_the_copy():
+    """``tf.recompute_grad``'s gradient reads its block's input through an ``Identity``
+    of the backward pass (never recomputed: it is not forward). When the plan
+    recomputes that input, the ``Identity`` must be made again from the copy: the
+    original one holds the original buffer until the block's recomputation, which the
+    plan counted as freed (found on a Keras model of three such blocks: 28.4 MiB
+    measured on every call for 24.4 expected; 24.0-24.4 after)."""
+    from tfremat.rewrite import COPY_SEP, rewrite_graph_def
+
+    w1 = tf.Variable(tf.ones((64, 64)) * 0.01)
+    w2 = tf.Variable(tf.ones((64, 64)) * 0.01)
+
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            h = tf.nn.relu(tf.matmul(x, w1))
+            out = tf.recompute_grad(lambda u: tf.nn.relu(tf.matmul(u, w2)))(h)
+            loss = tf.reduce_sum(out * out)
+        return loss, tape.gradient(loss, [w1, w2])
+
+    traced = trace(step, (tf.ones((256, 64)),), {})
+    gd, g = traced.graph_def, build_graph(traced.records, traced.arg_placeholders).graph
+    ops, order = {n.name: n.op for n in gd.node}, list(g.graph["order"])
+    relu = next(v for v in order if ops[v] == "Relu")
+    inputs = {n.name: [i for i in n.input if not i.startswith("^")] for n in gd.node}
+    (alias,) = [v for v in order if ops[v] == "Identity" and inputs[v] == [relu]]
+    assert g.nodes[alias]["phase"] == "backward" and not g.nodes[alias]["recomputable"]
+    (reader,) = [v for v in order if alias in inputs[v]]
+    at = order.index(reader)  # recompute the block's input right before its reader
+    schedule = order[:at] + [producer(inputs[relu][0]), relu] + order[at:]
+    new, _ = rewrite_graph_def(gd, schedule, g, traced.dtypes, strict=True)
+    nodes = {n.name: n for n in new.node}
+    (read,) = [i for i in nodes[reader].input if i.startswith(alias)]
+    assert read.startswith(alias + COPY_SEP), read  # not the original alias
+    assert nodes[read].input[0] == relu + COPY_SEP + "1", nodes[read].input
+
+
+def test_an_identity_n_is_made_again_when_any_input_was_recomputed():
+    """An ``IdentityN`` passes every input on: a copy of its second input makes the
+    original ``IdentityN`` stale for a later reader, as a copy of its first does."""
+    import networkx as nx
+
+    from tfremat.rewrite import _with_fresh_aliases
+
+    g = nx.DiGraph()
+    for v, op in [("a", "Neg"), ("b", "Exp"), ("n", "IdentityN"), ("r", "AddV2")]:
+        g.add_node(v, op_type=op, alias=op == "IdentityN", recomputable=True)
+    data_in = {"n": ["a", "b"], "r": ["n"]}
+    assert _with_fresh_aliases(["a", "b", "n", "b", "r"], g, data_in) == ["a", "b", "n", "b", "n", "r"]
+    assert _with_fresh_aliases(["a", "b", "n", "r"], g, data_in) == ["a", "b", "n", "r"]
+
+
 def _anchored(gd, order, edges, position=None) -> dict:
     """``gd`` with the ordering edges ``(target, source)`` added as strict ordering adds
     them, then re-seated by ``_anchor_ordering_edges``: name -> node."""

@@ -869,29 +869,33 @@ def build_graph(
 
     # An aliasing op's consumers keep its source buffer alive: add liveness edges
     # from the buffer's owner (the first non-aliasing producer) to those consumers.
-    def owner(name: str) -> str:
+    # Output k of an ``IdentityN`` is its input k (a custom gradient's passes the
+    # forward values on), so the owner is followed per output read.
+    def owner(name: str, index: int = 0) -> str:
         seen = set()
-        while g.nodes[name]["alias"] and name not in seen:
-            seen.add(name)
+        while g.nodes[name]["alias"] and (name, index) not in seen:
+            seen.add((name, index))
             if name in twin_of:
                 name = twin_of[name]
                 continue
             rec = by_name[name]
-            if not rec.inputs:
+            if rec.op_type != "IdentityN":
+                index = 0
+            if index >= len(rec.inputs):
                 break
-            name = producer(rec.inputs[0])
+            name, index = producer(rec.inputs[index]), output_index(rec.inputs[index])
         return name
 
-    for r in records:
-        if g.nodes[r.name]["alias"] and r.inputs:
-            root = owner(r.name)
-            if root == r.name:
+    for c in records:
+        for t in dict.fromkeys(c.inputs):
+            src = producer(t)
+            if src not in g or src == c.name or not g.nodes[src]["alias"] or not g.has_edge(src, c.name):
                 continue
-            for c in list(g.successors(r.name)):
-                if g.edges[r.name, c]["kind"] == "control":
-                    continue
-                if c != root and not g.has_edge(root, c):
-                    g.add_edge(root, c, kind="liveness")
+            if g.edges[src, c.name]["kind"] == "control":
+                continue
+            root = owner(src, output_index(t))
+            if root not in (src, c.name) and not g.has_edge(root, c.name):
+                g.add_edge(root, c.name, kind="liveness")
 
     # Program order, except where control edges added after creation (automatic
     # control dependencies) demand otherwise.

@@ -208,6 +208,12 @@ def _with_fused_producers(schedule: Sequence[Hashable], graph_def, graph: nx.DiG
     return out
 
 
+# One-input aliasing ops with no state: a copy of one anywhere is the same tensor.
+_PLAIN_ALIASES = frozenset(
+    {"Identity", "Reshape", "Squeeze", "ExpandDims", "StopGradient", "PreventGradient", "EnsureShape", "Snapshot"}
+)
+
+
 def _with_fresh_aliases(schedule: Sequence[Hashable], graph: nx.DiGraph, data_in: dict) -> list:
     """``schedule`` with each alias (a ``Reshape``, an ``Identity``: no buffer of its
     own) recomputed right before an op that reads it, when the buffer's owner has been
@@ -225,7 +231,13 @@ def _with_fresh_aliases(schedule: Sequence[Hashable], graph: nx.DiGraph, data_in
     def alias(w) -> bool:
         d = graph.nodes[w] if w in graph else None
         # (a CSE twin is an alias of its first twin, not of its input: rewrite binds it)
-        return bool(d and d.get("alias") and d.get("recomputable") and data_in.get(w) and not d.get("twin_of"))
+        if not (d and d.get("alias") and data_in.get(w) and not d.get("twin_of")):
+            return False
+        # A backward op is never recomputed, but a one-input alias in the backward
+        # pass that reads a forward value (tf.recompute_grad's gradient captures its
+        # block's input through an ``Identity``) holds the original buffer just the
+        # same; a fresh copy of it computes nothing and is exact.
+        return bool(d.get("recomputable") or (d.get("op_type") in _PLAIN_ALIASES and not d.get("stateful")))
 
     last: dict = {}
     out: list = []
@@ -238,7 +250,8 @@ def _with_fresh_aliases(schedule: Sequence[Hashable], graph: nx.DiGraph, data_in
                 w = data_in[w][0]
             stale = False
             for a in reversed(chain):  # from the one reading the owner up to u
-                stale = stale or last.get(data_in[a][0], -1) > last.get(a, -1)
+                # (any input: an IdentityN passes each of them on)
+                stale = stale or any(last.get(i, -1) > last.get(a, -1) for i in data_in[a])
                 if stale and a in last:
                     last[a] = len(out)
                     out.append(a)
