@@ -1236,3 +1236,45 @@ def test_copies_of_one_op_from_the_same_inputs_are_kept_apart_by_a_gate():
     assert list(first.input) != list(second.input), "CSE would merge the two copies"
     out, expected = emit(traced, gd)(*args), f(*args)
     assert bool(tf.reduce_all(tf.equal(out, expected)))
+
+
+def test_no_member_of_a_fused_dense_layer_drives_an_ordering_edge():
+    """The remapper fuses ``MatMul -> BiasAdd -> Relu`` into one oneDNN kernel unless
+    a member drives a control edge; an unfused layer computes other bits. Found on the
+    GAN step of ``benchmarks/steps_sweep.py`` (two recomputed ops): the generator's
+    ``Relu``s and a discriminator ``MatMul`` were ordering sources, and 33 of 46
+    values differed after one step."""
+    import sys
+    from pathlib import Path
+
+    import tfremat
+    from tfremat.rewrite import rewrite_graph_def
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import steps_sweep
+
+    step, data, _ = steps_sweep._case("gan")
+    fn = tfremat.remat(tf.function(step), budget_gib=26.3 / 1024)
+    fn.get_plan(*data[0])
+    entry = next(iter(fn._cache.values()))
+    sg, plan = entry.step_graph, entry.plan
+    gd, _ = rewrite_graph_def(entry.traced.graph_def, plan.schedule, sg.graph, entry.traced.dtypes, strict=True,
+                              limit_bytes=plan.predicted_peak_bytes, fixed_bytes=plan.fixed_bytes, scratch=sg.scratch)
+    ops = {n.name: n.op for n in gd.node}
+    data_readers: dict = {}
+    control_readers: dict = {}
+    for n in gd.node:
+        for i in n.input:
+            (control_readers if i.startswith("^") else data_readers).setdefault(i.lstrip("^").split(":")[0], []).append(n.name)
+    members = set()
+    for m, op in ops.items():
+        if op != "MatMul" or len(data_readers.get(m, ())) != 1:
+            continue
+        (b,) = data_readers[m]
+        if ops[b] in ("BiasAdd", "AddV2"):
+            members |= {m, b}
+            if len(data_readers.get(b, ())) == 1 and ops[data_readers[b][0]] in ("Relu", "Tanh"):
+                members.add(data_readers[b][0])
+    assert len(members) >= 6
+    driving = sorted(m for m in members if control_readers.get(m))
+    assert not driving, driving

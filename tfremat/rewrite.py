@@ -55,6 +55,8 @@ class RewriteInfo:
 # contraction recomputed right before it (_with_fused_producers).
 _CONTRACTIONS = frozenset({"Conv2D", "Conv3D", "DepthwiseConv2dNative", "MatMul"})
 _FUSED_AFTER_CONTRACTION = frozenset({"BiasAdd"})
+# Activations the remapper fuses after a contraction and its bias add.
+_FUSED_ACTIVATIONS = frozenset({"Relu", "Relu6", "Elu", "LeakyRelu", "Tanh", "Sigmoid", "Gelu"})
 # Ops a fused_cone may rebuild: cheap, elementwise, the size of their output.
 _ELEMENTWISE = frozenset({
     "Mul", "AddV2", "Add", "Sub", "Neg", "Sigmoid", "Tanh", "Exp", "Erf", "Erfc", "Relu",
@@ -744,6 +746,9 @@ def rewrite_graph_def(
 
 _ALIAS_SOURCES = frozenset({"Identity", "IdentityN", "StopGradient", "PreventGradient", "Snapshot"})
 _STABLE_PRODUCERS = frozenset({"ReadVariableOp", "Placeholder", "_Arg", "VarHandleOp"})
+# The step's inputs: fed to the emitted function, never imported, so no control edge
+# may start from one.
+_STEP_INPUTS = frozenset({"Placeholder", "_Arg", "VarHandleOp"})
 _CONSTS = frozenset({"Const", "HostConst"})
 # Elementwise ops Grappler may rewrite together with a neighbour: a search for a
 # substitute source walks through them.
@@ -1362,6 +1367,40 @@ def _anchor_ordering_edges(new, graph_def, gate_names, dtypes, position, twins=f
             for c in real_consumers(u)
         )
 
+    def fused_contraction(u) -> bool:
+        """u is part of a contraction the remapper fuses with its bias add and
+        activation (``MatMul`` -> ``BiasAdd``/``Add`` -> ``Relu``: one oneDNN kernel),
+        which it does not when any member drives a control edge. Found on a GAN step
+        (``benchmarks/steps_sweep.py gan``, 2 ops recomputed): the generator's Dense
+        ``Relu``s and a discriminator ``MatMul`` were ordering sources, ran unfused,
+        and 33 of 46 values differed by up to 1.2e-7 after one step."""
+        def only_reader(p, c) -> bool:
+            return real_consumers(p) == [c]
+
+        def biased(b) -> bool:  # b adds a bias to a contraction it alone reads
+            if b.op not in _FUSED_AFTER_CONTRACTION | {"Add", "AddV2"}:
+                return False
+            for i in b.input:
+                if i.startswith("^"):
+                    continue
+                p = real_producer(i)
+                if p is not None and p.op in _CONTRACTIONS and only_reader(p.name, b.name):
+                    return True
+            return False
+
+        n = nodes.get(u)
+        if n is None:
+            return False
+        if n.op in _CONTRACTIONS:
+            cs = real_consumers(u)
+            return len(cs) == 1 and biased(nodes[cs[0]])
+        if biased(n):
+            return True
+        if n.op in _FUSED_ACTIVATIONS and n.input and not n.input[0].startswith("^"):
+            b = real_producer(n.input[0])
+            return b is not None and biased(b) and only_reader(b.name, u)
+        return False
+
     def limit(v):
         if v in gate_names:
             # a gate runs right before the chain it feeds: bound by its consumers
@@ -1394,7 +1433,7 @@ def _anchor_ordering_edges(new, graph_def, gate_names, dtypes, position, twins=f
                     if c in seen or position.get(c, 1 << 30) >= lim:
                         continue
                     seen.add(c)
-                    if nodes[c].op in _ALIAS_SOURCES or nodes[c].op in _REWRITTEN_SOURCES:
+                    if nodes[c].op in _ALIAS_SOURCES or nodes[c].op in _REWRITTEN_SOURCES or fused_contraction(c):
                         nxt.append(c)
                     elif not sibling_after(c, v):
                         return c
@@ -1421,7 +1460,8 @@ def _anchor_ordering_edges(new, graph_def, gate_names, dtypes, position, twins=f
             if n is None:
                 continue
             if w != u and w in position and n.op not in _ALIAS_SOURCES and n.op not in _CONSTS \
-                    and not in_group(w) and not swish_sigmoid(w) and not sibling_after(w, v):
+                    and n.op not in _STEP_INPUTS and not in_group(w) and not swish_sigmoid(w) \
+                    and not fused_contraction(w) and not sibling_after(w, v):
                 return w
             for i in n.input:
                 p = _split(i.lstrip("^"))[0]
@@ -1547,10 +1587,10 @@ def _anchor_ordering_edges(new, graph_def, gate_names, dtypes, position, twins=f
             for s in sources(u):
                 if s not in nodes or s == v or runs_before(s, v):
                     continue
-                if in_group(s) or swish_sigmoid(s):
+                if in_group(s) or swish_sigmoid(s) or fused_contraction(s):
                     # Driving a control edge would block the merge (or the Swish
-                    # fusion): a later op that is scheduled before v anyway signals
-                    # instead, or no edge.
+                    # or contraction fusion): a later op that is scheduled before v
+                    # anyway signals instead, or no edge.
                     s = safe_successor(s, v) or safe_predecessor(s, v)
                     if s is None or runs_before(s, v):
                         continue
