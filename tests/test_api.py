@@ -522,6 +522,9 @@ def test_a_replan_that_grappler_cannot_run_keeps_the_plan_before(monkeypatch):
     # process's history. Plans here are checked on the tensors alone.
     monkeypatch.setattr(api.RematFunction, "_allocator_estimates", lambda self, sg, schedule, other: (
         (simulate(sg.planning_graph, schedule, sg.fixed_bytes + other).peak_bytes,) * 2))
+    # Nor is what earlier tests left in the process: with it counted the plans moved
+    # with the suite's order (one fresh-clone CI run had no re-plan here).
+    monkeypatch.setattr(api, "_other_live_bytes", lambda *args: 0)
     x, y, ref_step, fn, budget = _mlp_with_a_tight_budget()
     first = fn.get_plan(x, y)
     peaks = iter([0, int(budget) + 2**20])  # call 1 goes over: re-plan
