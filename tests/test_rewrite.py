@@ -1244,13 +1244,12 @@ def test_no_member_of_a_fused_dense_layer_drives_an_ordering_edge(monkeypatch):
     GAN step of ``benchmarks/steps_sweep.py`` (two recomputed ops): the generator's
     ``Relu``s and a discriminator ``MatMul`` were ordering sources, and 33 of 46
     values differed after one step."""
-    import sys
     from pathlib import Path
 
     import tfremat
     from tfremat.rewrite import rewrite_graph_def
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import steps_sweep
 
     import tfremat.api

@@ -23,7 +23,7 @@ from typing import Hashable, Mapping, Sequence
 import networkx as nx
 import numpy as np
 
-from .costs import FUSED_WITH_SIBLING
+from .costs import ALIASING_OPS, FUSED_WITH_SIBLING
 from .errors import InvalidScheduleError, RematError
 from .simulate import simulate
 
@@ -55,6 +55,8 @@ class RewriteInfo:
 # contraction recomputed right before it (_with_fused_producers).
 _CONTRACTIONS = frozenset({"Conv2D", "Conv3D", "DepthwiseConv2dNative", "MatMul"})
 _FUSED_AFTER_CONTRACTION = frozenset({"BiasAdd"})
+# A contraction's bias add as the remapper fuses it (Keras adds a Dense bias with Add).
+_BIAS_ADDS = _FUSED_AFTER_CONTRACTION | {"Add", "AddV2"}
 # Activations the remapper fuses after a contraction and its bias add.
 _FUSED_ACTIVATIONS = frozenset({"Relu", "Relu6", "Elu", "LeakyRelu", "Tanh", "Sigmoid", "Gelu"})
 # Ops a fused_cone may rebuild: cheap, elementwise, the size of their output.
@@ -211,9 +213,9 @@ def _with_fused_producers(schedule: Sequence[Hashable], graph_def, graph: nx.DiG
 
 
 # One-input aliasing ops with no state: a copy of one anywhere is the same tensor.
-_PLAIN_ALIASES = frozenset(
-    {"Identity", "Reshape", "Squeeze", "ExpandDims", "StopGradient", "PreventGradient", "EnsureShape", "Snapshot"}
-)
+# (Not the multi-input IdentityN, not a variable read; Bitcast and CheckNumerics are
+# left out too: never seen between a forward value and a backward reader.)
+_PLAIN_ALIASES = ALIASING_OPS - {"IdentityN", "ReadVariableOp", "Bitcast", "CheckNumerics"}
 
 
 def _with_fresh_aliases(schedule: Sequence[Hashable], graph: nx.DiGraph, data_in: dict) -> list:
@@ -748,7 +750,7 @@ _ALIAS_SOURCES = frozenset({"Identity", "IdentityN", "StopGradient", "PreventGra
 _STABLE_PRODUCERS = frozenset({"ReadVariableOp", "Placeholder", "_Arg", "VarHandleOp"})
 # The step's inputs: fed to the emitted function, never imported, so no control edge
 # may start from one.
-_STEP_INPUTS = frozenset({"Placeholder", "_Arg", "VarHandleOp"})
+_STEP_INPUTS = _STABLE_PRODUCERS - {"ReadVariableOp"}
 _CONSTS = frozenset({"Const", "HostConst"})
 # Elementwise ops Grappler may rewrite together with a neighbour: a search for a
 # substitute source walks through them.
@@ -1367,18 +1369,28 @@ def _anchor_ordering_edges(new, graph_def, gate_names, dtypes, position, twins=f
             for c in real_consumers(u)
         )
 
+    fused: dict = {}  # fused_contraction's answers
+
     def fused_contraction(u) -> bool:
         """u is part of a contraction the remapper fuses with its bias add and
         activation (``MatMul`` -> ``BiasAdd``/``Add`` -> ``Relu``: one oneDNN kernel),
         which it does not when any member drives a control edge. Found on a GAN step
         (``benchmarks/steps_sweep.py gan``, 2 ops recomputed): the generator's Dense
         ``Relu``s and a discriminator ``MatMul`` were ordering sources, ran unfused,
-        and 33 of 46 values differed by up to 1.2e-7 after one step."""
+        and 33 of 46 values differed by up to 1.2e-7 after one step.
+        Memoized: the searches for a substitute source ask about the same ops again,
+        and each answer scans consumers (the data graph does not change here)."""
+        if u in fused:
+            return fused[u]
+        fused[u] = _fused_contraction(u)
+        return fused[u]
+
+    def _fused_contraction(u) -> bool:
         def only_reader(p, c) -> bool:
             return real_consumers(p) == [c]
 
         def biased(b) -> bool:  # b adds a bias to a contraction it alone reads
-            if b.op not in _FUSED_AFTER_CONTRACTION | {"Add", "AddV2"}:
+            if b.op not in _BIAS_ADDS:
                 return False
             for i in b.input:
                 if i.startswith("^"):
