@@ -735,10 +735,11 @@ def rewrite_graph_def(
                 if producer_of in graph
             ):
                 freeing.append(node.name)
-    _anchor_ordering_edges(new, graph_def, set(gates.values()), dtypes, position, _cse_twins(graph_def, graph),
+    reps = _cse_representatives(graph_def, graph)
+    _anchor_ordering_edges(new, graph_def, set(gates.values()), dtypes, position, _cse_twins(graph_def, graph, reps),
                            merged=set(twin))
     _restore_fanout(new, graph_def, dtypes, twin)
-    _split_sums(new, graph_def, {v: d.get("output_shapes") for v, d in graph.nodes(data=True)})
+    _split_sums(new, graph_def, {v: d.get("output_shapes") for v, d in graph.nodes(data=True)}, reps)
     _keep_control_twins_apart(new, graph_def)
     _keep_regrouped_pairs_ordered(new, graph_def, graph)
     for w, copies in waits_on_copies.items():
@@ -857,7 +858,8 @@ def _fanout_sink(new):
 _FLOAT_DTYPES = frozenset({1, 2, 14, 19})  # float, double, bfloat16, half
 
 
-def _split_sums(new, graph_def, shapes: Mapping[str, Sequence] | None = None) -> None:
+def _split_sums(new, graph_def, shapes: Mapping[str, Sequence] | None = None,
+                reps: Mapping[str, str] | None = None) -> None:
     """Rewrite a float ``AddN`` of more than two inputs as a tree of two-input
     ``AddN`` ops that sums in the original step's order (in place).
 
@@ -881,7 +883,15 @@ def _split_sums(new, graph_def, shapes: Mapping[str, Sequence] | None = None) ->
     TimeDistributed convolution's bias gradient sums ``Reshape_6`` .. ``Reshape_11``,
     which Grappler sums as the ``BiasAddGrad`` ops behind them (frame 0 to 5), not
     in the reshapes' own name order (10, 11, 6, ...): 1.8e-7 after 3 steps
-    (``benchmarks/keras_sweep.py convlstm``). The kernel (``AddNOp``)
+    (``benchmarks/keras_sweep.py convlstm``). They are also the names left after
+    common-subexpression elimination (``reps``: :func:`_cse_representatives`), which
+    runs before the sort: a GAN step's generator and discriminator cross-entropies on
+    the same fake logits compute equal gradient terms, and Grappler keeps the first
+    of each, so the discriminator's four-term sum ``AddN_2`` sums the generator's
+    ``binary_crossentropy/.../Neg``, ``Select``, ``Select_3`` and then its own
+    ``binary_crossentropy_2/.../mul/Mul``, and ``AddN_1`` the generator's ``mul/Mul``
+    first: by the traced names, 34 of 46 values differed after 3 steps
+    (``benchmarks/steps_sweep.py gan``). The kernel (``AddNOp``)
     adds the first ``k`` inputs left to right (``k`` = n mod 8, or 8 or 9 where that
     is 0 or 1), then each following group of eight, summed left to right, onto the
     running sum; the tree does the same (tests/test_rewrite.py checks it bitwise).
@@ -900,6 +910,11 @@ def _split_sums(new, graph_def, shapes: Mapping[str, Sequence] | None = None) ->
     original = {n.name: [i for i in n.input if not i.startswith("^")] for n in graph_def.node}
     op_of = {n.name: n.op for n in graph_def.node}
     shapes = shapes or {}
+    reps = reps or {}
+
+    def kept(tensor: str) -> str:
+        op, idx = _split(tensor)
+        return reps.get(op, op) + idx
 
     def shape_of(tensor: str):
         op, idx = _split(tensor)
@@ -931,7 +946,7 @@ def _split_sums(new, graph_def, shapes: Mapping[str, Sequence] | None = None) ->
             continue  # part of a larger sum in the original step (see above)
         ctrl = [i for i in n.input if i.startswith("^")]
         names = original.get(n.name)
-        names = [sort_name(x) for x in names] if names is not None and len(names) == len(data) else data
+        names = [kept(sort_name(kept(x))) for x in names] if names is not None and len(names) == len(data) else data
         data = [data[j] for j in sorted(range(len(data)), key=names.__getitem__)]
         count = [0]
 
@@ -1128,20 +1143,19 @@ def _copy_base(name: str) -> str | None:
 _COMMUTATIVE = frozenset({"Add", "AddV2", "AddN", "Mul", "Maximum", "Minimum"})
 
 
-def _cse_twins(graph_def, graph: nx.DiGraph) -> set:
-    """Ops of ``graph_def`` that Grappler's common-subexpression elimination may merge
-    with another: same op, attributes and (canonical) inputs, neither stateful.
+def _cse_representatives(graph_def, graph: nx.DiGraph) -> dict:
+    """Op name -> the op that Grappler's common-subexpression elimination keeps in
+    its place: the first op, in graph order, with the same op, attributes and
+    (canonical) inputs; an op no other matches, or a stateful one, stands for itself.
 
-    An ordering edge on one of them makes them differ (a control input, or an
-    ``Identity`` gate on an input), so the original step merges them and the rewritten
-    one does not, and the gradients that meet there are then summed differently.
-    Found by the random Keras-model test: ``x + BatchNorm(x)`` written twice; a gate on
-    the second ``Add`` made a BatchNorm beta differ by 2e-8 after 2 Adam steps.
+    Grappler's ``DedupComputations`` walks the graph in node order and keeps the
+    first of each group, so ops are visited in topological order that follows the
+    ``GraphDef``'s own order wherever it can (the traced order is topological).
     """
     by_name = {n.name: n for n in graph_def.node}
     rep: dict = {}
     groups: dict = {}
-    for name in _topo_order(graph_def):
+    for name in _topo_order(graph_def, stable=True):
         n = by_name[name]
         data = [_split(i) for i in n.input if not i.startswith("^")]
         data = [(rep.get(p, p), k or ":0") for p, k in data]
@@ -1156,6 +1170,21 @@ def _cse_twins(graph_def, graph: nx.DiGraph) -> set:
         key = (n.op, n.device, tuple(data), tuple(ctrl), attrs)
         first = groups.setdefault(key, name)
         rep[name] = first
+    return rep
+
+
+def _cse_twins(graph_def, graph: nx.DiGraph, rep: Mapping[str, str] | None = None) -> set:
+    """Ops of ``graph_def`` that Grappler's common-subexpression elimination may merge
+    with another: same op, attributes and (canonical) inputs, neither stateful
+    (``rep``: :func:`_cse_representatives`, computed here when not given).
+
+    An ordering edge on one of them makes them differ (a control input, or an
+    ``Identity`` gate on an input), so the original step merges them and the rewritten
+    one does not, and the gradients that meet there are then summed differently.
+    Found by the random Keras-model test: ``x + BatchNorm(x)`` written twice; a gate on
+    the second ``Add`` made a BatchNorm beta differ by 2e-8 after 2 Adam steps.
+    """
+    rep = _cse_representatives(graph_def, graph) if rep is None else rep
     members: dict = {}
     for name, r in rep.items():
         members.setdefault(r, []).append(name)
@@ -1658,7 +1687,9 @@ def _anchor_ordering_edges(new, graph_def, gate_names, dtypes, position, twins=f
             nodes[c].input[:] = [g if i == inp else i for i in nodes[c].input]
 
 
-def _topo_order(gd) -> list:
+def _topo_order(gd, stable: bool = False) -> list:
+    """The ops of ``gd`` in a topological order; ``stable``: of the ready ops, the
+    first in ``gd`` comes first (``gd``'s own order where that is topological)."""
     names = [n.name for n in gd.node]
     deps = {n.name: [_split(i.lstrip("^"))[0] for i in n.input] for n in gd.node}
     indeg = {k: 0 for k in names}
@@ -1668,6 +1699,19 @@ def _topo_order(gd) -> list:
             if d in indeg:
                 indeg[k] += 1
                 out.setdefault(d, []).append(k)
+    if stable:
+        index = {k: i for i, k in enumerate(names)}
+        heap = [index[k] for k in names if indeg[k] == 0]
+        heapq.heapify(heap)
+        order = []
+        while heap:
+            k = names[heapq.heappop(heap)]
+            order.append(k)
+            for c in out.get(k, ()):
+                indeg[c] -= 1
+                if indeg[c] == 0:
+                    heapq.heappush(heap, index[c])
+        return order
     ready = [k for k in names if indeg[k] == 0]
     order = []
     while ready:
