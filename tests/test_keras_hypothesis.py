@@ -1,7 +1,9 @@
 """Random small Keras functional models through tfremat.keras: bitwise equal to Keras.
 
-Hypothesis draws a model (conv / dense / add / concat / dropout / batchnorm layers,
-random widths, random wiring to earlier tensors), trains it 2 steps with Keras' own
+Hypothesis draws a model (conv, depthwise and separable conv, dense, add, multiply,
+a sigmoid gate, concat, dropout, batch and layer normalization, ReLU / GELU / swish,
+max and average pooling; random widths, random wiring to earlier tensors; a global
+pooling or flattening head; Adam, AdamW, RMSprop or SGD with momentum), trains it 2 steps with Keras' own
 step and, identically seeded, with ``tfremat.keras.remat`` at the solver's smallest
 budget + 10 % (so the plan recomputes as much as it can), and compares the losses and
 every variable bitwise.
@@ -23,7 +25,9 @@ import tfremat.keras  # noqa: E402
 L = keras.layers
 MAX_EXAMPLES = max(8, min(40, settings().max_examples // 5))  # ci: 8, dev: 40
 
-LAYER_KINDS = ("conv", "conv", "bn", "dropout", "add", "concat", "relu")
+LAYER_KINDS = ("conv", "conv", "bn", "dropout", "add", "concat", "relu",
+               "dwconv", "sepconv", "ln", "gelu", "swish", "pool", "avgpool", "mul", "gate")
+HEAD_KINDS = ("dense", "dense_bn", "dense_dropout", "dense_gelu", "dense_ln")
 
 
 @st.composite
@@ -36,42 +40,72 @@ def model_specs(draw):
         a = draw(st.integers(0, i))  # index into the tensors so far (0 = input)
         b = draw(st.integers(0, i))
         layers.append((kind, width, a, b))
-    head = draw(st.lists(st.tuples(st.sampled_from(("dense", "dense_bn", "dense_dropout")), st.sampled_from((8, 16))), max_size=2))
-    optimizer = draw(st.sampled_from(("adam", "sgd")))
-    return layers, head, optimizer
+    head = draw(st.lists(st.tuples(st.sampled_from(HEAD_KINDS), st.sampled_from((8, 16))), max_size=2))
+    optimizer = draw(st.sampled_from(("adam", "sgd", "adamw", "rmsprop")))
+    pool = draw(st.sampled_from(("gap", "gmp", "flatten")))
+    return layers, head, optimizer, pool
+
+
+OPTIMIZERS = {
+    "adam": lambda: keras.optimizers.Adam(1e-2),
+    "sgd": lambda: keras.optimizers.SGD(0.05, momentum=0.9),
+    "adamw": lambda: keras.optimizers.AdamW(1e-3),
+    "rmsprop": lambda: keras.optimizers.RMSprop(1e-3),
+}
 
 
 def build(spec):
-    layers, head, optimizer = spec
+    layers, head, optimizer, *rest = spec
+    pool = rest[0] if rest else "gap"
     keras.utils.set_random_seed(0)
     inp = keras.Input((8, 8, 3))
     ts = [inp]
+
+    def channels_of(x, y):  # y with x's channels
+        return y if x.shape[-1] == y.shape[-1] else L.Conv2D(x.shape[-1], 1)(y)
+
     for kind, width, a, b in layers:
         x, y = ts[a], ts[b]
         if kind == "conv":
             out = L.Conv2D(width, 3, padding="same", activation="relu")(x)
+        elif kind == "dwconv":
+            out = L.DepthwiseConv2D(3, padding="same")(x)
+        elif kind == "sepconv":
+            out = L.SeparableConv2D(width, 3, padding="same", activation="relu")(x)
         elif kind == "bn":
             out = L.BatchNormalization()(x)
+        elif kind == "ln":
+            out = L.LayerNormalization()(x)
         elif kind == "dropout":
             out = L.Dropout(0.3)(x)
         elif kind == "relu":
             out = L.ReLU()(x)
+        elif kind in ("gelu", "swish"):
+            out = L.Activation(kind)(x)
+        elif kind == "pool":
+            out = L.MaxPooling2D(3, 1, padding="same")(x)
+        elif kind == "avgpool":
+            out = L.AveragePooling2D(3, 1, padding="same")(x)
         elif kind == "add":
-            if x.shape[-1] != y.shape[-1]:
-                y = L.Conv2D(x.shape[-1], 1)(y)
-            out = L.Add()([x, y])
+            out = L.Add()([x, channels_of(x, y)])
+        elif kind == "mul":
+            out = L.Multiply()([x, channels_of(x, y)])
+        elif kind == "gate":
+            out = L.Multiply()([x, L.Conv2D(x.shape[-1], 1, activation="sigmoid")(y)])
         else:  # concat
             out = L.Concatenate()([x, y])
         ts.append(out)
-    h = L.GlobalAveragePooling2D()(ts[-1])
+    h = {"gap": L.GlobalAveragePooling2D, "gmp": L.GlobalMaxPooling2D, "flatten": L.Flatten}[pool]()(ts[-1])
     for kind, width in head:
-        h = L.Dense(width, activation="relu")(h)
+        h = L.Dense(width, activation="gelu" if kind == "dense_gelu" else "relu")(h)
         if kind == "dense_bn":
             h = L.BatchNormalization()(h)
+        elif kind == "dense_ln":
+            h = L.LayerNormalization()(h)
         elif kind == "dense_dropout":
             h = L.Dropout(0.2)(h)
     model = keras.Model(inp, L.Dense(5)(h))
-    opt = keras.optimizers.Adam(1e-2) if optimizer == "adam" else keras.optimizers.SGD(0.05, momentum=0.9)
+    opt = OPTIMIZERS[optimizer]()
     model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
     return model
 
