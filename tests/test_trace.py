@@ -381,3 +381,37 @@ def test_written_variables_are_those_given_to_anything_but_a_read():
     traced = trace(step, (tf.ones((4, 4)), tf.constant(True)))
     got = {id(v) for v in written_variables(traced)}
     assert got == {id(assigned), id(applied), id(in_cond)}
+
+
+def test_a_size_that_depends_on_the_data_is_taken_at_its_largest_input():
+    """``tf.where`` and a gather through its indices have rows that depend on the
+    data: each is sized at its largest input, the unknown dimension holding what the
+    known ones leave, marked ``estimated`` and never recomputed. A tensor no input
+    bounds (an argument of unknown size) still raises UnknownShapeError."""
+    from tfremat import UnknownShapeError
+    from tfremat.graph import build_graph
+
+    @tf.function
+    def f(x):
+        idx = tf.where(x > 0.0)  # [None, 2] int64 of at most 8 * 4 elements
+        vals = tf.gather_nd(x, idx)  # [None]
+        return tf.reduce_sum(vals * 2.0)
+
+    traced = trace(f, (tf.ones((8, 4)),), {})
+    by_name = {r.name: r for r in traced.records}
+    where = next(r for r in traced.records if r.op_type == "Where")
+    gather = next(r for r in traced.records if r.op_type == "GatherNd")
+    assert where.outputs[0].estimated and where.outputs[0].shape == (16, 2)
+    assert where.outputs[0].bytes == 16 * 2 * 8
+    assert gather.outputs[0].estimated and gather.outputs[0].shape == (32,)
+    assert not by_name[where.inputs[0].split(":")[0]].outputs[0].estimated
+    g = build_graph(traced.records, traced.arg_placeholders).graph
+    assert not g.nodes[where.name]["recomputable"] and not g.nodes[gather.name]["recomputable"]
+    assert g.nodes[gather.name]["output_shapes"] == (None,)
+
+    @tf.function(input_signature=[tf.TensorSpec((None, 4))])
+    def h(x):
+        return tf.reduce_sum(x * 2.0)
+
+    with pytest.raises(UnknownShapeError):
+        trace(h, (tf.ones((8, 4)),), {})

@@ -57,6 +57,10 @@ class TensorInfo:
     dtype: str
     bytes: int
     pieces: int = 1
+    # A size that depends on the data (``tf.where``, ``tf.unique``, a conditional
+    # whose branches return different row counts): ``shape`` is an upper guess
+    # (:func:`tfremat.trace._tensor_info`), not the static shape.
+    estimated: bool = False
 
     @property
     def piece_bytes(self) -> int:
@@ -797,6 +801,7 @@ def build_graph(
             or r.calls_function
             or r.op_type in NEVER_RECOMPUTE
             or any(t.dtype in ("resource", "variant") for t in r.outputs)
+            or any(t.estimated for t in r.outputs)  # a guessed size is not worth a copy
         )
         cost = op_cost(r.op_type, in_shapes, [t.shape for t in r.outputs], r.equation)
         cost = max(cost, r.loop_cost)
@@ -813,7 +818,8 @@ def build_graph(
             # each output's bytes and the size of each allocation it is made of
             output_sizes=tuple((int(t.bytes), int(t.piece_bytes)) for t in r.outputs),
             # each output's static shape (the rewrite: which reshapes Grappler drops)
-            output_shapes=tuple(tuple(t.shape) if t.shape is not None else None for t in r.outputs),
+            output_shapes=tuple(tuple(t.shape) if t.shape is not None and not t.estimated else None
+                                for t in r.outputs),
             cost=cost,
             recomputable=recomputable,
             stateful=bool(r.stateful or r.calls_function),

@@ -62,22 +62,49 @@ def flat_tensor_args(python_function: Callable, args: tuple, kwargs: dict) -> li
     return [x for x in leaves if isinstance(x, (tf.Tensor, tf.Variable, np.ndarray))]
 
 
-def _tensor_info(t) -> TensorInfo:
+def _tensor_info(t, bound: int = 0) -> TensorInfo:
+    """Shape, dtype and bytes of ``t``.
+
+    A dimension unknown at trace time raises :class:`UnknownShapeError`, unless
+    ``bound`` (elements) is given: the size of a tensor whose rows depend on the
+    data but whose inputs are all static (``tf.where``, ``tf.unique``, the sparse
+    division Keras' RMSprop does on an embedding's ``IndexedSlices`` gradient, in a
+    ``tf.cond`` whose branches return different row counts) is taken as that many
+    elements (its largest input, see :func:`_input_bound`), the unknown dimension
+    holding what the known ones leave. Such ops stay where they are (never
+    recomputed); the per-call measurement corrects a guess that is low.
+    """
     tf = import_tf()
     dtype = t.dtype
     if dtype in (tf.resource, tf.variant):
         return TensorInfo((), dtype.name, 0)
     shape = t.shape
+    size = dtype.size if dtype != tf.string else 0
     if shape.rank is None or any(d is None for d in shape.as_list()):
         if t.op.type in _SHAPE_OPS:
             return TensorInfo((), dtype.name, 0)
-        raise UnknownShapeError(t.name, shape)
+        if not bound or shape.rank is None:
+            raise UnknownShapeError(t.name, shape)
+        known = math.prod(int(d) for d in shape.as_list() if d is not None)
+        first = [d is None for d in shape.as_list()].index(True)
+        dims = tuple(max(1, bound // max(1, known)) if k == first else (1 if d is None else int(d))
+                     for k, d in enumerate(shape.as_list()))
+        return TensorInfo(dims, dtype.name, int(math.prod(dims) * size), estimated=True)
     dims = tuple(int(d) for d in shape.as_list())
     n = 1
     for d in dims:
         n *= d
-    size = dtype.size if dtype != tf.string else 0
     return TensorInfo(dims, dtype.name, int(n * size))
+
+
+def _input_bound(op, elements: dict) -> int:
+    """The most elements of any input of ``op`` (``elements``: tensor name ->
+    elements, of the ops traced so far); 0 where an input is unknown, so that a
+    tensor whose size cannot be bounded still raises :class:`UnknownShapeError`."""
+    sizes = [elements.get(t.name) for t in op.inputs if t.dtype.name not in ("resource", "variant")]
+    if not sizes or any(n is None for n in sizes):
+        return 0
+    return max(sizes)
 
 
 _WHILE_OPS = frozenset({"While", "StatelessWhile"})
@@ -296,11 +323,11 @@ def _unwrapped_bytes(node) -> int:
     return total
 
 
-def _output_infos(op, functions: dict) -> tuple[TensorInfo, ...]:
+def _output_infos(op, functions: dict, bound: int = 0) -> tuple[TensorInfo, ...]:
     tf = import_tf()
     infos = []
     for i, t in enumerate(op.outputs):
-        info = _tensor_info(t)
+        info = _tensor_info(t, bound)
         if t.dtype == tf.variant:
             if op.type in _WHILE_OPS:
                 info = TensorInfo((), info.dtype, *_list_bytes(op, i, functions))
@@ -389,6 +416,7 @@ def trace(fn, args: tuple, kwargs: dict | None = None) -> TracedStep:
     functions = {f.signature.name: f for f in graph_def.library.function}
     variables = _variable_elements(cf, captures)
     records = []
+    elements: dict = {}  # tensor name -> elements (estimated ones included)
     for op in graph.get_operations():
         if op.name not in live:
             continue
@@ -397,7 +425,9 @@ def trace(fn, args: tuple, kwargs: dict | None = None) -> TracedStep:
             or (op.node_def.attr[k].WhichOneof("value") == "list" and len(op.node_def.attr[k].list.func))
             for k in op.node_def.attr
         )
-        infos = _output_infos(op, functions)
+        infos = _output_infos(op, functions, _input_bound(op, elements))
+        for t, info in zip(op.outputs, infos):
+            elements[t.name] = math.prod(info.shape) if info.shape else (1 if info.bytes else 0)
         cost, pure = _loop_cost(op, functions, infos, variables)
         records.append(
             OpRecord(
