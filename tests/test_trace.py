@@ -415,3 +415,26 @@ def test_a_size_that_depends_on_the_data_is_taken_at_its_largest_input():
 
     with pytest.raises(UnknownShapeError):
         trace(h, (tf.ones((8, 4)),), {})
+
+
+def test_an_op_of_a_guessed_size_is_not_probed_for_scratch():
+    """A probe runs the op alone on inputs of the recorded shapes: for a guessed
+    (``estimated``) shape it would measure another kernel than the step runs."""
+    from tfremat.scratch import _input_specs
+
+    k = tf.ones((3, 3, 1, 2))
+
+    @tf.function
+    def f(x):
+        rows = tf.gather_nd(x, tf.where(x > 0.0))  # [None]: a guessed size
+        img = tf.reshape(rows, (1, -1, 4, 1))
+        guessed = tf.nn.conv2d(img, k, 1, "SAME")
+        static = tf.nn.conv2d(tf.reshape(x, (1, 8, 4, 1)), k, 1, "SAME")
+        return tf.reduce_sum(guessed) + tf.reduce_sum(static)
+
+    traced = trace(f, (tf.ones((8, 4)),), {})
+    by_name = {r.name: r for r in traced.records}
+    convs = [r for r in traced.records if r.op_type == "Conv2D"]
+    assert sorted(r.outputs[0].estimated for r in convs) == [False, True]
+    for r in convs:
+        assert (_input_specs(r, by_name) is None) == r.outputs[0].estimated

@@ -163,7 +163,11 @@ def _paired_forward(r: OpRecord, by_name: Mapping[str, OpRecord]) -> OpRecord | 
 
 
 def _input_specs(r: OpRecord, by_name: Mapping[str, OpRecord]) -> tuple | None:
-    """(shape, dtype name, constant value or None) per input; None if unknown."""
+    """(shape, dtype name, constant value or None) per input; None if unknown, or
+    if a size is a guess (``TensorInfo.estimated``: a probe of it would measure
+    another kernel than the step runs)."""
+    if any(o.estimated for o in r.outputs):
+        return None
     spec = []
     for i, t in enumerate(r.inputs):
         src = by_name.get(producer(t))
@@ -171,7 +175,7 @@ def _input_specs(r: OpRecord, by_name: Mapping[str, OpRecord]) -> tuple | None:
         if src is None or idx >= len(src.outputs):
             return None
         info = src.outputs[idx]
-        if info.dtype in ("resource", "variant", "string"):
+        if info.dtype in ("resource", "variant", "string") or info.estimated:
             return None
         value = None
         if info.dtype in ("int32", "int64"):
