@@ -202,8 +202,9 @@ def test_an_einsum_that_transposes_its_inputs_is_probed():
 def test_a_max_pool_gradient_is_probed_beside_its_forward_pool(monkeypatch):
     """Alone, ``MaxPoolGrad`` runs Eigen's kernel, which recomputes the arg-max into
     int64 temporaries (6 MiB here); in a step, oneDNN pairs it with its ``MaxPool``,
-    whose workspace it reads (0.5 MiB). The probe runs the pair, and the forward's
-    output is not counted as scratch."""
+    whose workspace it reads (0.5 MiB on one CPU, 1.2 MiB on another: its size
+    depends on the kernel oneDNN picks for the CPU). The probe runs the pair, and the
+    forward's output is not counted as scratch."""
     import tfremat.scratch as sc
     from tfremat.api import _ONEDNN_SMALLEST_COUNTED, _smallest_counted
 
@@ -228,7 +229,8 @@ def test_a_max_pool_gradient_is_probed_beside_its_forward_pool(monkeypatch):
     assert alone >= 4 * 2**20, alone  # the arg-max alone: int64 of the 2 MiB output
     assert paired <= alone, (paired, alone)
     if _smallest_counted("CPU:0") == _ONEDNN_SMALLEST_COUNTED:  # oneDNN's allocator
-        assert paired <= 2**20, paired
+        # Under half the int64 arg-max Eigen's kernel alone needs (4 MiB of it here).
+        assert paired <= 2 * 2**20, paired
 
 
 def test_no_scratch_probes_while_an_outer_function_traces():
