@@ -698,6 +698,46 @@ def test_a_big_op_after_a_kernel_with_big_scratch_waits_for_it_past_products():
     assert red not in _ancestors(gd, sin)  # little scratch: nothing to wait for
 
 
+def test_a_chain_of_copies_never_waits_for_a_cse_twin():
+    """A later CSE twin has no readers in the rewrite (they read the first twin's
+    computation), and a control edge from it keeps alive an op that runs as soon
+    as its own inputs exist: ``cast(s)`` here reads only an argument. A chain of
+    copies right after it in the schedule must wait for the op before it, not for
+    the twin (a random two-output Keras model: the metrics' forward pass,
+    recomputed after the update, waited on ``Cast(sample_weight)`` and ran during
+    the first forward pass)."""
+    from tfremat.rewrite import COPY_SEP, rewrite_graph_def
+
+    @tf.function
+    def f(x, s):
+        c1 = tf.cast(s, tf.float32)
+        a = tf.exp(x)
+        b = tf.sin(a) * c1
+        t = tf.reduce_sum(b)
+        c2 = tf.cast(s, tf.float32)
+        return tf.cos(a) * c2, t
+
+    traced = trace(f, (tf.ones((64, 64)), tf.constant(2)), {})
+    g = build_graph(traced.records, traced.arg_placeholders).graph
+    ops = {n.name: n.op for n in traced.graph_def.node}
+    twins = {v: d["twin_of"] for v, d in g.nodes(data=True) if d.get("twin_of")}
+    assert len(twins) == 1, twins
+    (later,) = twins
+    order = list(g.graph["order"])
+    exp, cos, red = only(ops, "Exp"), only(ops, "Cos"), only(ops, "Sum")
+    # the twin just before cos, and exp recomputed between them
+    order.remove(later)
+    order.remove(cos)
+    order.insert(order.index(red) + 1, later)
+    schedule = order[: order.index(later) + 1] + [exp, cos] + order[order.index(later) + 1:]
+    gd, _ = rewrite_graph_def(traced.graph_def, schedule, g, traced.dtypes, strict=True)
+    copy = exp + COPY_SEP + "1"
+    assert copy in {n.name for n in gd.node}
+    waits = _ancestors(gd, copy)
+    assert later not in waits, waits
+    assert red in waits, waits  # the op the schedule ran before the twin
+
+
 def test_a_control_input_from_a_product_grappler_rewrites_orders_nothing():
     """TensorFlow's GELU gradient computes ``Square(x / sqrt 2)`` under a control
     input from a product of the incoming gradient; the arithmetic optimizer rewrites
