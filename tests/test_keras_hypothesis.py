@@ -3,7 +3,8 @@
 Hypothesis draws a model (conv, depthwise and separable conv, dense, add, multiply,
 a sigmoid gate, concat, dropout, batch and layer normalization, ReLU / GELU / swish,
 max and average pooling; random widths, random wiring to earlier tensors; a global
-pooling or flattening head; Adam, AdamW, RMSprop or SGD with momentum), trains it 2 steps with Keras' own
+pooling or flattening head; Adam, AdamW, RMSprop or SGD with momentum; with or without
+sample weights), trains it 2 steps with Keras' own
 step and, identically seeded, with ``tfremat.keras.remat`` at the solver's smallest
 budget + 10 % (so the plan recomputes as much as it can), and compares the losses and
 every variable bitwise.
@@ -43,7 +44,8 @@ def model_specs(draw):
     head = draw(st.lists(st.tuples(st.sampled_from(HEAD_KINDS), st.sampled_from((8, 16))), max_size=2))
     optimizer = draw(st.sampled_from(("adam", "sgd", "adamw", "rmsprop")))
     pool = draw(st.sampled_from(("gap", "gmp", "flatten")))
-    return layers, head, optimizer, pool
+    sample_weights = draw(st.booleans())
+    return layers, head, optimizer, pool, sample_weights
 
 
 OPTIMIZERS = {
@@ -121,21 +123,23 @@ def test_random_keras_models_bitwise_equal(spec, seed):
     rng = np.random.default_rng(seed)
     x = tf.constant(rng.standard_normal((8, 8, 8, 3)).astype("float32"))
     y = tf.constant(rng.integers(0, 5, (8,)).astype("int32"))
+    # (Keras casts the weights in the loss and in each metric: CSE twins)
+    sw = tf.constant(rng.random(8).astype("float32")) if spec[4:] and spec[4] else None
 
     ref = build(spec)
-    ref_logs = [ref.train_on_batch(x, y, return_dict=True) for _ in range(2)]
+    ref_logs = [ref.train_on_batch(x, y, sample_weight=sw, return_dict=True) for _ in range(2)]
 
     model = build(spec)
     tfremat.keras.remat(model, budget_gib=1e-6)
     try:
-        tfremat.keras.get_plan(model, x, y)
+        tfremat.keras.get_plan(model, x, y, sw)
         budget = 1e-6 * 2**30
     except tfremat.InfeasibleBudgetError as e:
         budget = 1.1 * e.min_feasible_bytes
     tfremat.keras.remat(model, budget_gib=budget / 2**30)
-    plan = tfremat.keras.get_plan(model, x, y)
+    plan = tfremat.keras.get_plan(model, x, y, sw)
     assert plan.predicted_peak_bytes <= budget
-    logs = [model.train_on_batch(x, y, return_dict=True) for _ in range(2)]
+    logs = [model.train_on_batch(x, y, sample_weight=sw, return_dict=True) for _ in range(2)]
 
     assert logs == ref_logs
     for i, (a, b) in enumerate(zip(state(ref), state(model))):
