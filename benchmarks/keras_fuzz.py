@@ -217,12 +217,20 @@ def run(s: dict) -> dict:
     }
 
 
+def _failure(row: dict) -> str:
+    """What went wrong with one model's row."""
+    if "error" in row:
+        return row["error"]
+    if not row["under"]:
+        return f"over {row['measured'] / 2**20:.1f}/{row['budget'] / 2**20:.1f} MiB"
+    return "not bitwise"
+
+
 def main(argv: list[str]) -> None:
     if not argv or argv[0] not in FAMILIES + ("all",):
         sys.exit(__doc__)
     if argv[0] == "all":
         count = int(argv[1]) if len(argv) > 1 else 8
-        mib = 2**20
         print("| family | models | bitwise | under budget | measured / predicted (median) | failures |")
         print("|---|---|---|---|---|---|")
         for family in FAMILIES:
@@ -230,8 +238,7 @@ def main(argv: list[str]) -> None:
             rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
             ran = [r for r in rows if "bitwise" in r]
             ratios = sorted(r["measured"] / r["predicted"] for r in ran if r["predicted"])
-            failed = [f"{r['k']}: {r.get('error') or ('over %.1f/%.1f MiB' % (r['measured'] / mib, r['budget'] / mib) if not r.get('under', True) else 'not bitwise')}"
-                      for r in rows if "skipped" not in r and not (r.get("bitwise") and r.get("under"))]
+            failed = [f"{r['k']}: {_failure(r)}" for r in rows if "skipped" not in r and not (r.get("bitwise") and r.get("under"))]
             print(f"| {family} | {len(ran)} of {len(rows)} | {sum(r['bitwise'] for r in ran)} | "
                   f"{sum(r['under'] for r in ran)} | {ratios[len(ratios) // 2] if ratios else float('nan'):.2f} | "
                   f"{'; '.join(failed) or '-'} |", flush=True)

@@ -387,25 +387,25 @@ def rewrite_graph_def(
         while end < n and is_copy[end]:
             end += 1
         chain_ops = set(schedule[j:end])
+        # A later CSE twin is no trigger (here or in the barrier below): the rewrite
+        # bound its readers to the first twin's latest computation, and the twin
+        # itself, kept by a control edge, runs as soon as its own inputs exist. Found
+        # by a random two-output Keras model with sample weights: the metrics'
+        # forward pass, recomputed after the optimizer's update, waited on
+        # ``Cast(sample_weight)``, a twin of the loss's cast, and ran during the
+        # first forward pass (4.5 MiB for 3.2 predicted).
         candidates: list[str] = []
         if end < n:
             consumer = schedule[end]
             preds = [
                 u
                 for u in graph.predecessors(consumer)
-                if u in pos_of_original and phase(u) in ("backward", "update")
+                if u in pos_of_original and phase(u) in ("backward", "update") and u not in twin
             ]
             candidates += sorted(preds, key=lambda u: -pos_of_original[u])
         for i in range(j - 1, max(-1, j - 200), -1):
-            if not is_copy[i] and phase(schedule[i]) != "input":
+            if not is_copy[i] and phase(schedule[i]) != "input" and schedule[i] not in twin:
                 candidates.append(schedule[i])
-        # A later CSE twin is no trigger: the rewrite bound its readers to the first
-        # twin's latest computation, and the twin itself, kept by a control edge,
-        # runs as soon as its own inputs exist. Found by a random two-output Keras
-        # model with sample weights: the metrics' forward pass, recomputed after the
-        # optimizer's update, waited on ``Cast(sample_weight)``, a twin of the loss's
-        # cast, and ran during the first forward pass (4.5 MiB for 3.2 predicted).
-        candidates = [t for t in candidates if t not in twin]
 
         def risky(t: str) -> bool:
             for inp in originals[t].input:
@@ -439,9 +439,8 @@ def rewrite_graph_def(
         window = [
             schedule[i]
             for i in range(prev_chain_end, j)
-            if not is_copy[i] and phase(schedule[i]) != "input"
+            if not is_copy[i] and phase(schedule[i]) != "input" and schedule[i] not in twin
         ]
-        window = [u for u in window if u not in twin]
         in_window = set(window)
         for u in window:
             if len(triggers) >= MAX_BARRIER_EDGES:
@@ -741,7 +740,7 @@ def rewrite_graph_def(
                 if pending_scratch and not fusion_cycle(pending_scratch, node.name):
                     if pending_scratch not in waits:
                         waits.append(pending_scratch)
-                    if src.op not in _REWRITTEN_SOURCES | _ALIAS_SOURCES | _MUL_FAMILY | {"AddN"}:
+                    if src.op not in _FANOUT_RESEATED:
                         pending_scratch = ""
                 waits += [u for u in floating if not (single_consumer(u) and consumed_by_now(u))]
                 if src.op != "AddN" or room is None:
@@ -798,6 +797,10 @@ _REWRITTEN_SOURCES = frozenset(
         "Relu", "Relu6", "Elu", "LeakyRelu", "Softplus",
     }
 )
+# Ops whose outgoing ordering edges _anchor_ordering_edges may re-seat or drop (the
+# Add/Mul families are among the rewritten sources): a wait carried through one of
+# them may be lost, so the strict rewrite does not count on it.
+_FANOUT_RESEATED = _REWRITTEN_SOURCES | _ALIAS_SOURCES
 # The arithmetic optimizer merges chains of these (AddOpsRewrite: Add trees into AddN;
 # MinimizeBroadcasts: reassociated Mul chains; a factor hoisted out of a sum) only
 # when no member has or drives a control dependency.

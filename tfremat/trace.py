@@ -91,10 +91,7 @@ def _tensor_info(t, bound: int = 0) -> TensorInfo:
                      for k, d in enumerate(shape.as_list()))
         return TensorInfo(dims, dtype.name, int(math.prod(dims) * size), estimated=True)
     dims = tuple(int(d) for d in shape.as_list())
-    n = 1
-    for d in dims:
-        n *= d
-    return TensorInfo(dims, dtype.name, int(n * size))
+    return TensorInfo(dims, dtype.name, int(math.prod(dims) * size))
 
 
 def _input_bound(op, elements: dict) -> int:
