@@ -199,6 +199,37 @@ def test_an_einsum_that_transposes_its_inputs_is_probed():
     assert found.get(einsums[0], 0) >= 2 * 2**20, found
 
 
+def test_a_float16_product_is_probed_for_the_temporaries_its_kernel_takes():
+    """On CPUs without float16 arithmetic a half ``MatMul`` converts its operands and
+    result to float32 temporaries: a random mixed_float16 attention model of
+    ``benchmarks/keras_fuzz.py`` (fp16attn 0) held 1.5 MiB beside each 0.38 MiB
+    output and ran 13.1-14.0 MiB on a 13.1 MiB budget for 11.0 MiB of chunks
+    predicted. Whatever the kernel takes here, the probe measures at least that
+    (the op's peak less its output, run alone)."""
+    import tfremat.scratch as sc
+
+    try:
+        tf.config.experimental.get_memory_info("CPU:0")
+    except ValueError:
+        pytest.skip("this TensorFlow reports no CPU allocator statistics: nothing is probed")
+
+    @tf.function
+    def product(a, b):
+        return tf.matmul(a, b)
+
+    a, b = tf.ones((3072, 256), tf.float16), tf.ones((256, 256), tf.float16)
+    product(a, b)  # traced and run once: the measured call allocates only the kernel's
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    before = tf.config.experimental.get_memory_info("CPU:0")["current"]
+    out = product(a, b)
+    taken = tf.config.experimental.get_memory_info("CPU:0")["peak"] - before - out.shape.num_elements() * 2
+    del out
+    traced = trace(product, (a, b))
+    (matmul,) = [r.name for r in traced.records if r.op_type == "MatMul"]
+    found = sc.measure_scratch(traced, "CPU:0")
+    assert found.get(matmul, 0) >= taken - 256 * 1024, (found, taken)
+
+
 def test_a_max_pool_gradient_is_probed_beside_its_forward_pool(monkeypatch):
     """Alone, ``MaxPoolGrad`` runs Eigen's kernel, which recomputes the arg-max into
     int64 temporaries (6 MiB here); in a step, oneDNN pairs it with its ``MaxPool``,

@@ -40,6 +40,12 @@ PROBED_OPS = frozenset({
     "DepthwiseConv2dNativeBackpropInput",
     "FusedBatchNormV3", "FusedBatchNormGradV3", "MaxPoolGrad", "AvgPoolGrad",
     "Einsum",
+    # float16 products on CPUs without native float16 arithmetic convert their operands
+    # and result to float32 temporaries: a random mixed_float16 attention model of
+    # ``benchmarks/keras_fuzz.py`` (fp16attn 0) held 1.5 MiB beside each 0.38 MiB
+    # [64, 48, 64] half ``MatMul`` output and measured 13.1-14.0 MiB on a 13.1 MiB
+    # budget, 11.0 MiB of chunks predicted.
+    "MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3",
 })
 # Calls of a function compiled with XLA (``tf.function(jit_compile=True)``, e.g. Keras'
 # grouped convolutions on CPU) run as one kernel: the temporaries of the whole function
