@@ -1395,3 +1395,38 @@ def test_no_member_of_a_fused_dense_layer_drives_an_ordering_edge(monkeypatch):
     assert len(members) >= 6
     driving = sorted(m for m in members if control_readers.get(m))
     assert not driving, driving
+
+
+def test_a_copy_reads_a_folded_constant_without_a_gate():
+    """An op computed from constants only is a constant once Grappler folds it, held
+    from the first call on. A gate (an ``Identity`` with control inputs) in front of
+    it is folded too, into a second constant of the same size: a random attention
+    model's causal mask (``benchmarks/keras_fuzz.py`` attn 4) was held four times
+    where the plan counted it once per block, 2.6 MiB of memory outside the plan.
+    A copy reads such an op directly, as it reads a ``Const``."""
+    from tfremat.rewrite import COPY_SEP, rewrite_graph_def
+
+    @tf.function
+    def f(x):
+        mask = tf.linalg.band_part(tf.ones((64, 64)), -1, 0) > 0.5  # constants only
+        a = tf.exp(x)
+        b = tf.where(mask, a, 0.0)
+        t = tf.reduce_sum(tf.sin(b))
+        return tf.cos(b) * t
+
+    traced = trace(f, (tf.ones((64, 64)),), {})
+    g = build_graph(traced.records, traced.arg_placeholders).graph
+    ops = {n.name: n.op for n in traced.graph_def.node}
+    mask, select, cos = only(ops, "Greater"), only(ops, "SelectV2"), only(ops, "Cos")
+    assert g.nodes[mask].get("folded"), "the mask is computed from constants only"
+    order = list(g.graph["order"])
+    order.remove(cos)
+    schedule = order[:-1] + [select, cos] + order[-1:]  # select recomputed before cos
+    gd, _ = rewrite_graph_def(traced.graph_def, schedule, g, traced.dtypes, strict=True)
+    nodes = {n.name: n for n in gd.node}
+    copy = nodes[select + COPY_SEP + "1"]
+    data = [producer(i) for i in copy.input if not i.startswith("^")]
+    assert mask in data, copy.input  # read directly
+    assert any(nodes[p].op == "Identity" and COPY_SEP in p for p in _ancestors(gd, copy.name)), "no chain gate"
+    readers = [n for n in gd.node if n.op == "Identity" and any(producer(i) == mask for i in n.input)]
+    assert not readers, [n.name for n in readers]

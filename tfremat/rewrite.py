@@ -548,7 +548,15 @@ def rewrite_graph_def(
             return False
         op = _split(inp)[0]
         op = twin.get(op, op)
-        return bool(chain_triggers) and latest.get(op, op) == op and originals[op].op not in _CONSTS
+        return bool(chain_triggers) and latest.get(op, op) == op and not constant(op)
+
+    def constant(op: str) -> bool:
+        """``op`` is a constant in the step Grappler runs: a ``Const``, or an op it
+        folds into one (graph.py, ``folded``). A gate or a copy reading one would be
+        folded into a constant of its own, held from the first call on: a random
+        attention model's causal mask (0.56 MiB, ``benchmarks/keras_fuzz.py`` attn 4)
+        was held four times where the plan counted it once per block."""
+        return originals[op].op in _CONSTS or (op in graph and graph.nodes[op].get("folded", False))
 
     n_copies = n_rewired = 0
     chain_triggers: list[str] = []
@@ -638,7 +646,8 @@ def rewrite_graph_def(
             }
             twin_gate_at = next(
                 (b for b, (o, _) in zip(bound_in, data)
-                 if b != twin.get(o, o) and originals[twin.get(o, o)].op not in _CONSTS | _ELEMENTWISE
+                 if b != twin.get(o, o) and originals[twin.get(o, o)].op not in _ELEMENTWISE
+                 and not constant(twin.get(o, o))
                  and b not in read_by_others),
                 None,
             )
@@ -770,7 +779,7 @@ def rewrite_graph_def(
                 freeing.append(node.name)
     reps = _cse_representatives(graph_def, graph)
     _anchor_ordering_edges(new, graph_def, set(gates.values()), dtypes, position, _cse_twins(graph_def, graph, reps),
-                           merged=set(twin))
+                           merged=set(twin), folded={v for v, d in graph.nodes(data=True) if d.get("folded")})
     _restore_fanout(new, graph_def, dtypes, twin)
     _split_sums(new, graph_def, {v: d.get("output_shapes") for v, d in graph.nodes(data=True)}, reps)
     _keep_control_twins_apart(new, graph_def)
@@ -1229,7 +1238,7 @@ def _cse_twins(graph_def, graph: nx.DiGraph, rep: Mapping[str, str] | None = Non
 
 
 def _anchor_ordering_edges(new, graph_def, gate_names, dtypes, position, twins=frozenset(),
-                           merged=frozenset()) -> None:
+                           merged=frozenset(), folded=frozenset()) -> None:
     """Re-seat every ordering control edge where Grappler does not see it (in place).
 
     Measured (docs/design.md): Grappler skips a float rewrite when an op involved has
@@ -1257,6 +1266,10 @@ def _anchor_ordering_edges(new, graph_def, gate_names, dtypes, position, twins=f
 
     An op with a common-subexpression twin (``twins``, see :func:`_cse_twins`) gets
     no ordering edge: either would keep Grappler from merging the two.
+
+    ``folded``: ops Grappler folds into constants (graph.py): neither gated (a gate
+    would become a second copy of the constant, held from the first call on) nor
+    a signal (a constant is ready at the step's start).
 
     ``merged``: the later twins, whose readers the rewrite bound to the first twin.
     Nothing reads them, so the runtime prunes them before Grappler runs (and in the
@@ -1537,7 +1550,7 @@ def _anchor_ordering_edges(new, graph_def, gate_names, dtypes, position, twins=f
             n = nodes.get(w)
             if n is None:
                 continue
-            if w != u and w in position and n.op not in _ALIAS_SOURCES and n.op not in _CONSTS \
+            if w != u and w in position and n.op not in _ALIAS_SOURCES and n.op not in _CONSTS and w not in folded \
                     and n.op not in _STEP_INPUTS and not in_group(w) and not swish_sigmoid(w) \
                     and not fused_contraction(w) and not sibling_after(w, v):
                 return w
@@ -1554,7 +1567,7 @@ def _anchor_ordering_edges(new, graph_def, gate_names, dtypes, position, twins=f
         for k, i in enumerate(nodes[v].input):
             if not i.startswith("^"):
                 p = nodes.get(_split(i)[0])
-                if p is not None and p.op not in _CONSTS:
+                if p is not None and p.op not in _CONSTS and p.name not in folded:
                     out.append(k)
         return out
 
