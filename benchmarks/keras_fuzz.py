@@ -1,7 +1,7 @@
-"""Random Keras models of four families through ``tfremat.keras``: bitwise and under budget.
+"""Random Keras models of six kinds through ``tfremat.keras``: bitwise and under budget.
 
     python benchmarks/keras_fuzz.py FAMILY [FIRST [COUNT]]     # FAMILY: unet, fp16,
-                                                              # multi, fp16multi, rnn
+                                     # multi, fp16multi, rnn, attn, fp16attn, conv, fp16conv
     python benchmarks/keras_fuzz.py all [COUNT]               # every family, a table
 
 A search for bugs, not a benchmark of speed: each model ``k`` of a family is drawn
@@ -24,11 +24,19 @@ Families (small shapes, batch 64, so a model takes seconds):
   weights, metrics per output, kernel and activity regularizers, sample weights;
   ``fp16multi`` under ``mixed_float16`` (no activity regularizer: Keras cannot sum a
   float16 one with the float32 loss);
-- ``rnn``: LSTM, GRU, bidirectional ones, Conv1D and TimeDistributed Dense stacks.
+- ``rnn``: LSTM, GRU, bidirectional ones, Conv1D and TimeDistributed Dense stacks;
+- ``attn``: Transformer encoders (session 40): token embeddings or projected
+  features, 1-3 blocks of MultiHeadAttention (1, 2 or 4 heads, attention dropout,
+  a causal mask or none) and a feed-forward of four activations, pre- or post-norm,
+  average, max or first-token pooling; ``fp16attn`` under ``mixed_float16``;
+- ``conv``: image classifiers (session 40) of plain, depthwise-separable,
+  inverted-residual and squeeze-and-excitation blocks, residual or not, six
+  activations (hard swish, ReLU6, leaky ReLU among them), pooling;
+  ``fp16conv`` under ``mixed_float16``.
 
 Every family draws its optimizer among Adam, SGD (momentum, Nesterov), RMSprop,
 AdamW, Adam with clipnorm / global_clipnorm / EMA. Results: docs/keras.md
-("Session 39").
+("Session 39", "Session 40").
 """
 
 from __future__ import annotations
@@ -38,7 +46,7 @@ import random
 import subprocess
 import sys
 
-FAMILIES = ("unet", "fp16", "multi", "fp16multi", "rnn")
+FAMILIES = ("unet", "fp16", "multi", "fp16multi", "rnn", "attn", "fp16attn", "conv", "fp16conv")
 STEPS = 3
 BATCH = 64
 
@@ -59,6 +67,18 @@ def draw(r: random.Random, family: str) -> dict:
         "reg": 0.0 if family.startswith("fp16") else r.choice((0.0, 1e-3)),
         "sw": r.random() < 0.5,
         "seed": r.randint(0, 10**6),
+        # drawn after the seed, so the first families' models stay those of session 39
+        # attn: token or feature inputs, blocks, heads, pre- or post-norm, causal mask
+        "tokens": r.random() < 0.5,
+        "blocks": r.randint(1, 3),
+        "heads": r.choice((1, 2, 4)),
+        "prenorm": r.random() < 0.5,
+        "causal": r.random() < 0.3,
+        "pool": r.choice(("avg", "max", "first")),
+        # conv: stages of plain, depthwise-separable or inverted-residual blocks
+        "blocks_kind": [r.choice(("plain", "separable", "inverted", "se")) for _ in range(r.randint(2, 4))],
+        "residual": r.random() < 0.6,
+        "conv_act": r.choice(("relu", "relu6", "hard_swish", "swish", "gelu", "leaky_relu")),
     }
 
 
@@ -150,13 +170,74 @@ def _rnn(keras, s):
     return model
 
 
+def _attn(keras, s):
+    L = keras.layers
+    w, seq = 2 * s["width"], 48  # attention scores of 0.6-2.4 MiB per head group
+    if s["tokens"]:
+        inp = keras.Input((seq,), dtype="int32")
+        h = L.Embedding(50, w)(inp)
+    else:
+        inp = keras.Input((seq, 6))
+        h = L.Dense(w)(inp)
+    for _ in range(s["blocks"]):
+        x = L.LayerNormalization()(h) if s["prenorm"] else h
+        a = L.MultiHeadAttention(s["heads"], w // s["heads"], dropout=s["dropout"])(x, x, use_causal_mask=s["causal"])
+        h = L.Add()([h, L.Dropout(s["dropout"])(a) if s["dropout"] else a])
+        if not s["prenorm"]:
+            h = L.LayerNormalization()(h)
+        x = L.LayerNormalization()(h) if s["prenorm"] else h
+        f = L.Dense(w, kernel_regularizer=keras.regularizers.L2(s["reg"]) if s["reg"] else None)(
+            L.Dense(2 * w, activation=s["act"])(x))
+        h = L.Add()([h, L.Dropout(s["dropout"])(f) if s["dropout"] else f])
+        if not s["prenorm"]:
+            h = L.LayerNormalization()(h)
+    if s["prenorm"]:
+        h = L.LayerNormalization()(h)
+    h = {"avg": L.GlobalAveragePooling1D(), "max": L.GlobalMaxPooling1D(), "first": L.Lambda(lambda t: t[:, 0])}[s["pool"]](h)
+    model = keras.Model(inp, L.Dense(3, dtype="float32")(h))
+    model.compile(optimizer=_optimizer(keras, s["opt"]), metrics=["accuracy"],
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def _conv(keras, s):
+    L = keras.layers
+    act, w = s["conv_act"], s["width"]
+    inp = keras.Input((24, 24, 3))
+    h = L.Activation(act)(L.BatchNormalization()(L.Conv2D(w, 3, strides=2, padding="same", use_bias=False)(inp)))
+    for k, kind in enumerate(s["blocks_kind"]):
+        x = h
+        if kind == "plain":
+            h = L.Activation(act)(L.BatchNormalization()(L.Conv2D(w, 3, padding="same")(h)))
+        elif kind == "separable":
+            h = L.Activation(act)(L.BatchNormalization()(L.SeparableConv2D(w, 3, padding="same")(h)))
+        else:  # inverted residual, with a squeeze-and-excitation gate for "se"
+            h = L.Activation(act)(L.BatchNormalization()(L.Conv2D(2 * w, 1, use_bias=False)(h)))
+            h = L.Activation(act)(L.BatchNormalization()(L.DepthwiseConv2D(3, padding="same", use_bias=False)(h)))
+            if kind == "se":
+                g = L.Dense(2 * w, activation="sigmoid")(L.Dense(w // 4, activation="relu")(L.GlobalAveragePooling2D(keepdims=True)(h)))
+                h = L.Multiply()([h, g])
+            h = L.BatchNormalization()(L.Conv2D(w, 1, use_bias=False)(h))
+        if s["residual"]:
+            h = L.Add()([x, h])
+        if k == 1:
+            h = L.MaxPooling2D(2)(h) if s["down"] == "maxpool" else L.AveragePooling2D(2)(h)
+    h = L.GlobalAveragePooling2D()(h) if s["pool"] != "max" else L.GlobalMaxPooling2D()(h)
+    if s["dropout"]:
+        h = L.Dropout(s["dropout"])(h)
+    model = keras.Model(inp, L.Dense(5, dtype="float32")(h))
+    model.compile(optimizer=_optimizer(keras, s["opt"]), metrics=["accuracy"],
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
 def build(s: dict):
     import keras
 
     keras.utils.set_random_seed(0)
     keras.mixed_precision.set_global_policy("mixed_float16" if s["family"].startswith("fp16") else "float32")
     base = s["family"].removeprefix("fp16") or "unet"
-    return {"unet": _unet, "multi": _multi, "rnn": _rnn}[base](keras, s)
+    return {"unet": _unet, "multi": _multi, "rnn": _rnn, "attn": _attn, "conv": _conv}[base](keras, s)
 
 
 def data(s: dict):
@@ -170,6 +251,12 @@ def data(s: dict):
     elif base == "multi":
         x = [rng.standard_normal((n, 8, 8, 3)).astype("float32"), rng.standard_normal((n, 10)).astype("float32")]
         y = [rng.integers(0, 3, (n,)).astype("int32"), rng.standard_normal((n, 1)).astype("float32")]
+    elif base == "attn":
+        x = rng.integers(0, 50, (n, 48)).astype("int32") if s["tokens"] else rng.standard_normal((n, 48, 6)).astype("float32")
+        y = rng.integers(0, 3, (n,)).astype("int32")
+    elif base == "conv":
+        x = rng.standard_normal((n, 24, 24, 3)).astype("float32")
+        y = rng.integers(0, 5, (n,)).astype("int32")
     else:
         x = rng.standard_normal((n, 32, 5)).astype("float32")
         y = rng.integers(0, 3, (n,)).astype("int32")
@@ -212,8 +299,9 @@ def run(s: dict) -> dict:
     bad = [i for i, (a, b) in enumerate(zip(ref_state, state)) if not np.array_equal(a, b)]
     return {
         "bitwise": logs == ref_logs and not bad, "under": max(peaks) <= budget,
-        "baseline": max(ref_peaks), "budget": int(budget), "kind": kind, "measured": max(peaks),
-        "predicted": plan.predicted_peak_bytes, "recomputed": len(plan.recomputed), "variables_apart": len(bad),
+        "baseline": max(ref_peaks), "budget": int(budget), "kind": kind, "measured": max(peaks), "calls": peaks,
+        "predicted": plan.predicted_peak_bytes, "chunks": plan.allocator_peak_bytes, "expected": plan.expected_peak_bytes,
+        "recomputed": len(plan.recomputed), "variables_apart": len(bad),
     }
 
 
