@@ -366,32 +366,32 @@ def test_constants_grappler_folds_are_not_memory_outside_the_step():
     from its first call on; the plan counts them (``folded_sizes``, in the fixed
     bytes), so the check after the first call must not count them again as memory
     held outside the step. Measured: 4 MiB of them counted twice, the step re-planned
-    with 4 MiB less room, and the re-plan's function held 4 MiB more while the
-    previous one, kept as a fallback, still lived."""
+    with 4 MiB less room. (Other memory of the process may move by a few MiB between
+    planning and the first call, so the check is that 24 MiB are not counted twice.)"""
     w = tf.Variable(tf.ones((256, 256)) * 0.01)
+    n = 8 * 1024 * 256
 
     @tf.function
     def step(x):
-        c1 = tf.sin(tf.reshape(tf.range(256 * 1024, dtype=tf.float32), (1024, 256)))  # 1 MiB, folded
-        c2 = tf.cos(tf.reshape(tf.range(768 * 1024, dtype=tf.float32), (3072, 256)))  # 3 MiB, folded
+        r = tf.reshape(tf.range(n, dtype=tf.float32), (8, 1024, 256))
+        c1, c2, c3 = tf.sin(r), tf.cos(r), tf.sin(r + 1.0)  # 8 MiB each, folded (at most 10 MiB each)
         with tf.GradientTape() as t:
             h = x
             for _ in range(4):
                 h = tf.tanh(h @ w)
-            loss = tf.reduce_sum(h * c1) + tf.reduce_sum(tf.concat([h, h, h], 0) * c2)
+            loss = tf.reduce_sum(h * c1) + tf.reduce_sum(h * c2) + tf.reduce_sum(h * c3)
         w.assign_sub(0.01 * t.gradient(loss, w))
         return loss
 
     x = tf.ones((1024, 256))
-    fn = tfremat.remat(step, budget_gib=64 / 1024)
+    fn = tfremat.remat(step, budget_gib=0.5)
     first = fn.get_plan(x)
-    if not first.fixed_bytes or not any(b >= 2**20 for b in next(iter(fn._cache.values())).step_graph.folded_sizes):
-        pytest.skip("no folded constant of 1 MiB or more counted here")
+    folded = sum(next(iter(fn._cache.values())).step_graph.folded_sizes)
+    if folded < 24 * 2**20:
+        pytest.skip("the graph does not count the folded constants here")
     for _ in range(3):
         fn(x)
-    entry = next(iter(fn._cache.values()))
-    assert fn.get_plan(x).fixed_bytes == first.fixed_bytes
-    assert entry.previous is None
+    assert fn.get_plan(x).fixed_bytes - first.fixed_bytes < folded // 2
 
 
 def test_variables_the_step_writes_hold_their_own_memory_when_it_plans():
