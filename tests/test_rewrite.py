@@ -1430,3 +1430,26 @@ def test_a_copy_reads_a_folded_constant_without_a_gate():
     assert any(nodes[p].op == "Identity" and COPY_SEP in p for p in _ancestors(gd, copy.name)), "no chain gate"
     readers = [n for n in gd.node if n.op == "Identity" and any(producer(i) == mask for i in n.input)]
     assert not readers, [n.name for n in readers]
+
+
+def test_an_original_swish_product_after_its_input_was_recomputed_reads_a_sigmoid_of_it():
+    """A plan may free ``y`` after the Sigmoid read it and recompute it for the
+    product, in the forward pass: the original product would read ``y'`` and
+    ``Sigmoid(y)``, no Swish pattern, and run unfused where the original step ran
+    oneDNN's Swish (a random classifier of ``benchmarks/keras_fuzz.py``, conv 5: the
+    first loss differed). The Sigmoid is recomputed from ``y'`` too."""
+    from tfremat.rewrite import _with_fused_producers
+
+    @tf.function
+    def f(x):
+        y = x + 1.0
+        return tf.reduce_sum(y * tf.sigmoid(y))
+
+    gd, g, ops, order = _traced(f, tf.ones((4,)))
+    mul, sig, add = only(ops, "Mul"), only(ops, "Sigmoid"), only(ops, "AddV2")
+    k = order.index(mul)
+    assert order.index(sig) < k
+    schedule = order[:k] + [add] + order[k:]  # y recomputed between the Sigmoid and the product
+    assert _with_fused_producers(schedule, gd, g) == order[:k] + [add, sig] + order[k:]
+    # nothing recomputed in between: nothing added
+    assert _with_fused_producers(order, gd, g) == order

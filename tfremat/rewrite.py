@@ -203,6 +203,20 @@ def _with_fused_producers(schedule: Sequence[Hashable], graph_def, graph: nx.DiG
                     last[u] = len(out)
                     out.append(u)
                     firsts.append(firsts[-1])
+        else:
+            # The original v after a recomputation of an input its cone read: v
+            # would read the new computation, its cone the older one, ``Mul(x',
+            # Sigmoid(x))``, no Swish pattern. Found by a random classifier of
+            # ``benchmarks/keras_fuzz.py`` (conv 5): a plan freed a BatchNorm output
+            # in the forward pass and recomputed it for its Swish's product; the
+            # forward pass ran ``Mul`` where Keras' ran ``_MklSwish``, and the first
+            # loss already differed.
+            cone = [u for u in fused_cone(v) if u in last]
+            if any(last.get(x, -1) > last[u] for u in cone for x in data_in[u]):
+                for u in cone:
+                    last[u] = len(out)
+                    out.append(u)
+                    firsts.append(firsts[-1])
         first = v not in last
         if first:
             first_run[v] = len(out)
