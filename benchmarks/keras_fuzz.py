@@ -45,6 +45,7 @@ import json
 import random
 import subprocess
 import sys
+import traceback
 
 FAMILIES = ("unet", "fp16", "multi", "fp16multi", "rnn", "attn", "fp16attn", "conv", "fp16conv")
 STEPS = 3
@@ -339,7 +340,8 @@ def main(argv: list[str]) -> None:
         try:
             out = run(s)
         except Exception as e:  # a search: report and go on
-            out = {"error": repr(e)[:300]}
+            here = [f for f in traceback.extract_tb(e.__traceback__) if f.filename == __file__]
+            out = {"error": repr(e)[:300], "where": f"line {here[-1].lineno}: {here[-1].line}" if here else "?"}
         print(json.dumps({"k": k, **out, "spec": s}), flush=True)
 
 
