@@ -97,11 +97,9 @@ def test_a_recomputed_swish_product_recomputes_its_sigmoid():
     assert _with_fused_producers(order + [sig, mul], gd, g) == order + [sig, mul]
 
 
-def test_a_recomputed_swish_product_never_reads_a_sigmoid_of_an_older_input():
-    """A plan that recomputes the Sigmoid from the original ``y`` and the product from
-    a copy of ``y`` (EfficientNetB0's block6a): ``Mul(y', Sigmoid(y))`` is no Swish
-    pattern, so the copy would run unfused. The Sigmoid is recomputed from ``y'``."""
-    from tfremat.rewrite import _with_fused_producers
+def _swish_of_a_sum():
+    """``y * sigmoid(y)``, ``y = x + 1``: the graph, its order, and the product,
+    Sigmoid and sum ops."""
 
     @tf.function
     def f(x):
@@ -109,7 +107,16 @@ def test_a_recomputed_swish_product_never_reads_a_sigmoid_of_an_older_input():
         return tf.reduce_sum(y * tf.sigmoid(y))
 
     gd, g, ops, order = _traced(f, tf.ones((4,)))
-    mul, sig, add = only(ops, "Mul"), only(ops, "Sigmoid"), only(ops, "AddV2")
+    return gd, g, order, only(ops, "Mul"), only(ops, "Sigmoid"), only(ops, "AddV2")
+
+
+def test_a_recomputed_swish_product_never_reads_a_sigmoid_of_an_older_input():
+    """A plan that recomputes the Sigmoid from the original ``y`` and the product from
+    a copy of ``y`` (EfficientNetB0's block6a): ``Mul(y', Sigmoid(y))`` is no Swish
+    pattern, so the copy would run unfused. The Sigmoid is recomputed from ``y'``."""
+    from tfremat.rewrite import _with_fused_producers
+
+    gd, g, order, mul, sig, add = _swish_of_a_sum()
     out = _with_fused_producers(order + [sig, add, mul], gd, g)
     assert out == order + [sig, add, sig, mul]
 
@@ -1440,13 +1447,7 @@ def test_an_original_swish_product_after_its_input_was_recomputed_reads_a_sigmoi
     first loss differed). The Sigmoid is recomputed from ``y'`` too."""
     from tfremat.rewrite import _with_fused_producers
 
-    @tf.function
-    def f(x):
-        y = x + 1.0
-        return tf.reduce_sum(y * tf.sigmoid(y))
-
-    gd, g, ops, order = _traced(f, tf.ones((4,)))
-    mul, sig, add = only(ops, "Mul"), only(ops, "Sigmoid"), only(ops, "AddV2")
+    gd, g, order, mul, sig, add = _swish_of_a_sum()
     k = order.index(mul)
     assert order.index(sig) < k
     schedule = order[:k] + [add] + order[k:]  # y recomputed between the Sigmoid and the product

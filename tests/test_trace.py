@@ -122,6 +122,14 @@ def _conv_step_traced():
     return trace(step, (x, y))
 
 
+def _needs_allocator_statistics() -> None:
+    """Skip where the CPU allocator reports no statistics: nothing is probed there."""
+    try:
+        tf.config.experimental.get_memory_info("CPU:0")
+    except ValueError:
+        pytest.skip("this TensorFlow reports no CPU allocator statistics: nothing is probed")
+
+
 def test_scratch_probes_cover_each_signature_once_and_a_failed_probe_fails_nothing(monkeypatch):
     import tfremat.scratch as sc
 
@@ -152,10 +160,7 @@ def test_an_xla_compiled_call_is_probed_as_one_kernel():
     ConvNeXtTiny 220 MiB), none of it in any output."""
     import tfremat.scratch as sc
 
-    try:
-        tf.config.experimental.get_memory_info("CPU:0")
-    except ValueError:
-        pytest.skip("this TensorFlow reports no CPU allocator statistics: nothing is probed")
+    _needs_allocator_statistics()
     k = tf.Variable(tf.ones((7, 7, 1, 256)))
 
     @tf.function(jit_compile=True)
@@ -182,10 +187,7 @@ def test_an_einsum_that_transposes_its_inputs_is_probed():
     measured without the probe, 12.9 for 13.0 with it."""
     import tfremat.scratch as sc
 
-    try:
-        tf.config.experimental.get_memory_info("CPU:0")
-    except ValueError:
-        pytest.skip("this TensorFlow reports no CPU allocator statistics: nothing is probed")
+    _needs_allocator_statistics()
 
     @tf.function
     def scores(q, k):
@@ -208,10 +210,7 @@ def test_a_float16_product_is_probed_for_the_temporaries_its_kernel_takes():
     probe measures most of it."""
     import tfremat.scratch as sc
 
-    try:
-        tf.config.experimental.get_memory_info("CPU:0")
-    except ValueError:
-        pytest.skip("this TensorFlow reports no CPU allocator statistics: nothing is probed")
+    _needs_allocator_statistics()
 
     @tf.function
     def product(a, b):
@@ -241,10 +240,7 @@ def test_a_max_pool_gradient_is_probed_beside_its_forward_pool(monkeypatch):
     import tfremat.scratch as sc
     from tfremat.api import _ONEDNN_SMALLEST_COUNTED, _smallest_counted
 
-    try:
-        tf.config.experimental.get_memory_info("CPU:0")
-    except ValueError:
-        pytest.skip("this TensorFlow reports no CPU allocator statistics: nothing is probed")
+    _needs_allocator_statistics()
 
     @tf.function
     def step(x):

@@ -195,14 +195,10 @@ def _with_fused_producers(schedule: Sequence[Hashable], graph_def, graph: nx.DiG
             # squeeze-excite swishes, session 27; a convolution before a BiasAdd
             # shares none, and is not recomputed twice for it)
             shares = any(x in data_in[v] for u in cone for x in data_in.get(u, ()))
-            if any(last[u] == first_run[u] or last[u] < last[v]
-                   or (shares and firsts[-1] > firsts[last[u] + 1])
-                   or any(last.get(x, -1) > last[u] for x in data_in[u])
-                   for u in cone):
-                for u in cone:
-                    last[u] = len(out)
-                    out.append(u)
-                    firsts.append(firsts[-1])
+            rebuild = any(last[u] == first_run[u] or last[u] < last[v]
+                          or (shares and firsts[-1] > firsts[last[u] + 1])
+                          or any(last.get(x, -1) > last[u] for x in data_in[u])
+                          for u in cone)
         else:
             # The original v after a recomputation of an input its cone read: v
             # would read the new computation, its cone the older one, ``Mul(x',
@@ -212,11 +208,12 @@ def _with_fused_producers(schedule: Sequence[Hashable], graph_def, graph: nx.DiG
             # forward pass ran ``Mul`` where Keras' ran ``_MklSwish``, and the first
             # loss already differed.
             cone = [u for u in fused_cone(v) if u in last]
-            if any(last.get(x, -1) > last[u] for u in cone for x in data_in[u]):
-                for u in cone:
-                    last[u] = len(out)
-                    out.append(u)
-                    firsts.append(firsts[-1])
+            rebuild = any(last.get(x, -1) > last[u] for u in cone for x in data_in[u])
+        if rebuild:
+            for u in cone:
+                last[u] = len(out)
+                out.append(u)
+                firsts.append(firsts[-1])
         first = v not in last
         if first:
             first_run[v] = len(out)
@@ -570,7 +567,7 @@ def rewrite_graph_def(
         folded into a constant of its own, held from the first call on: a random
         attention model's causal mask (0.56 MiB, ``benchmarks/keras_fuzz.py`` attn 4)
         was held four times where the plan counted it once per block."""
-        return originals[op].op in _CONSTS or (op in graph and graph.nodes[op].get("folded", False))
+        return originals[op].op in _CONSTS or op in folded
 
     n_copies = n_rewired = 0
     chain_triggers: list[str] = []
@@ -608,6 +605,7 @@ def rewrite_graph_def(
     # first one's latest computation, as the planning graph counted them; the later
     # twin is left without readers, and the runtime prunes it.
     twin = {v: d["twin_of"] for v, d in graph.nodes(data=True) if d.get("twin_of")}
+    folded = {v for v, d in graph.nodes(data=True) if d.get("folded")}  # constants once Grappler ran
     for j, v in enumerate(schedule):
         k = count.get(v, 0)
         count[v] = k + 1
@@ -793,7 +791,7 @@ def rewrite_graph_def(
                 freeing.append(node.name)
     reps = _cse_representatives(graph_def, graph)
     _anchor_ordering_edges(new, graph_def, set(gates.values()), dtypes, position, _cse_twins(graph_def, graph, reps),
-                           merged=set(twin), folded={v for v, d in graph.nodes(data=True) if d.get("folded")})
+                           merged=set(twin), folded=folded)
     _restore_fanout(new, graph_def, dtypes, twin)
     _split_sums(new, graph_def, {v: d.get("output_shapes") for v, d in graph.nodes(data=True)}, reps)
     _keep_control_twins_apart(new, graph_def)
