@@ -670,7 +670,8 @@ class RematFunction:
         # where the largest tensor is at least 1/16 of the budget: with smaller ones
         # the pool's layout moved little in the measurements (DenseNet121 at 60 %:
         # 72.5 MiB measured for 74.1 of chunks; checking the nearby orders there took
-        # 27 s more planning and 5 points more recomputation for nothing).
+        # 27 s more planning and 5 points more recomputation for nothing). Kernel
+        # scratch counts as a tensor here: it is a request to the same pool.
         near = []
         if _largest_tensor(sg.planning_graph) * _NEARBY_BELOW >= self.budget_bytes:
             resident, outside = layouts[0]
