@@ -197,6 +197,25 @@ def test_a_recomputed_bias_add_gets_its_own_convolution_copy():
     assert _with_fused_producers(order + [conv, bias], gd, g) == order + [conv, bias]
 
 
+def test_a_recomputed_activation_gets_its_own_convolution_and_bias_add_copies():
+    """The remapper fuses a convolution, its BiasAdd and an activation into one kernel
+    (``_MklNativeFusedConv2D`` with ``BiasAdd, Elu``) when each is the next one's only
+    reader. A copy of the ``Elu`` alone would read the original BiasAdd, which then
+    has two readers: the forward pass would run a standalone ``Elu`` (other bits than
+    the fused one), and so would the copy."""
+    from tfremat.rewrite import _with_fused_producers
+
+    @tf.function
+    def f(x, k, b):
+        return tf.reduce_sum(tf.nn.elu(tf.nn.bias_add(tf.nn.conv2d(x, k, 1, "SAME"), b)))
+
+    gd, g, ops, order = _traced(f, tf.ones((2, 8, 8, 3)), tf.ones((3, 3, 3, 4)), tf.ones((4,)))
+    conv, bias, elu = only(ops, "Conv2D"), only(ops, "BiasAdd"), only(ops, "Elu")
+    assert _with_fused_producers(order + [elu], gd, g) == order + [conv, bias, elu]
+    # recomputed with both already: nothing added
+    assert _with_fused_producers(order + [conv, bias, elu], gd, g) == order + [conv, bias, elu]
+
+
 def test_a_fused_cone_stops_at_a_convolution():
     """Keras' Swish ``x * sigmoid(beta * x)`` rebuilds [beta * x, sigmoid]; a ReLU
     after a first-layer convolution rebuilds nothing (the cone would reach the
@@ -363,9 +382,10 @@ def test_an_identity_n_is_made_again_when_any_input_was_recomputed():
     assert _with_fresh_aliases(["a", "b", "n", "r"], g, data_in) == ["a", "b", "n", "r"]
 
 
-def _anchored(gd, order, edges, position=None) -> dict:
+def _anchored(gd, order, edges, position=None, gates=frozenset()) -> dict:
     """``gd`` with the ordering edges ``(target, source)`` added as strict ordering adds
-    them, then re-seated by ``_anchor_ordering_edges``: name -> node."""
+    them, then re-seated by ``_anchor_ordering_edges`` (``gates``: the chain gates'
+    names): name -> node."""
     from tfremat.rewrite import _anchor_ordering_edges
 
     new = type(gd)()
@@ -374,7 +394,7 @@ def _anchored(gd, order, edges, position=None) -> dict:
         n.input.extend("^" + u for v, u in edges if v == n.name)
     if position is None:
         position = {name: k for k, name in enumerate(order)}
-    _anchor_ordering_edges(new, gd, set(), {n.name: [1] for n in gd.node}, position)
+    _anchor_ordering_edges(new, gd, set(gates), {n.name: [1] for n in gd.node}, position)
     return {n.name: n for n in new.node}
 
 
@@ -1216,6 +1236,40 @@ def test_an_ordering_edge_on_a_bias_add_waits_through_a_gate_on_its_bias():
     assert _waits(nodes, bias_add) == ["^" + p]
     gate = nodes[bias_add].input[1].split(":")[0]
     assert "_remat_order" in gate and nodes[bias_add].input[0].split(":")[0] == only(ops, "Conv2D")
+
+
+def test_an_ordering_edge_on_a_convolution_copy_waits_through_a_gate_on_its_chain_gate():
+    """A convolution copy reads every input through its chain's gates (Identity ops of
+    the rewrite), so no input looked stable and an ordering edge stayed on the copy.
+    With a control input the remapper does not fuse the convolution with its BiasAdd
+    and activation: a random U-Net (``keras_fuzz.py unet 3``) ran the recomputed
+    ``Elu`` alone where the original ran ``_MklNativeFusedConv2D(BiasAdd, Elu)``, and
+    3 variables differed after one step. The edge now waits through a gate on the
+    chain gate in front of an input."""
+    w = tf.Variable(tf.ones((3, 3, 4, 8)))
+
+    @tf.function
+    def f(x, y):
+        p = tf.exp(y)
+        return tf.nn.elu(tf.nn.bias_add(tf.nn.conv2d(x, w, 1, "SAME"), tf.ones((8,)))), p
+
+    gd, _, ops, order = _traced(f, tf.ones((2, 8, 8, 4)), tf.ones((4,)))
+    by_name = {n.name: n for n in gd.node}
+    conv, p = only(ops, "Conv2D"), only(ops, "Exp")
+    copy = gd.node.add()
+    copy.CopyFrom(by_name[conv])
+    copy.name = conv + "/_remat1"
+    gates = []
+    for k, i in enumerate(list(by_name[conv].input)):
+        gate = gd.node.add()
+        gate.name, gate.op = f"{i.split(':')[0]}/_remat_gate{k}", "Identity"
+        gate.input.append(i)
+        gate.attr["T"].type = tf.float32.as_datatype_enum
+        copy.input[k] = gate.name
+        gates.append(gate.name)
+    nodes = _anchored(gd, order + gates + [copy.name], [(copy.name, p)], gates=gates)
+    assert not [i for i in nodes[copy.name].input if i.startswith("^")]
+    assert _waits(nodes, copy.name) == ["^" + p]
 
 
 def test_a_swish_sigmoid_drives_no_ordering_edge():

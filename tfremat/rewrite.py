@@ -178,14 +178,36 @@ def _with_fused_producers(schedule: Sequence[Hashable], graph_def, graph: nx.DiG
             return u
         return None
 
+    def fused_group(v) -> list:
+        """The ops the remapper fuses ``v`` with, in order: a BiasAdd's contraction;
+        an activation's bias add and contraction (``_FusedConv2D`` with ``BiasAdd,
+        Elu``), where each is the next one's only input of its kind and has no
+        other consumer. A copy of the activation alone reads the original bias add,
+        runs the standalone kernel, and computes other bits than the fused one:
+        found by a random U-Net of ``benchmarks/keras_fuzz.py`` (unet 3, ELU): a
+        plan recomputing one ``Elu`` from its kept ``BiasAdd`` moved 3 variables
+        after one step (``executed_diff.py``: ``Elu`` where the original ran
+        ``_MklNativeFusedConv2D``)."""
+        c = contraction(v)
+        if c is not None:
+            return [c]
+        if by_name[v].op not in _FUSED_ACTIVATIONS or not data_in.get(v):
+            return []
+        # (a BiasAdd only: an Add is fused as a bias only where its other operand is
+        # one, and ``Relu(conv + 1.0)`` is no fusion pattern)
+        b = data_in[v][0]
+        if not recomputable(b) or consumers.get(b) != {v}:
+            return []
+        c = contraction(b)
+        return [] if c is None else [c, b]
+
     out: list = []
     firsts = [0]  # firsts[i]: original computations in out[:i]
     for v in schedule:
         if v in last:
             cone = fused_cone(v)
-            c = contraction(v)
-            if c is not None:
-                cone = [c] + [u for u in cone if u != c]
+            group = fused_group(v)
+            cone = group + [u for u in cone if u not in group]
             # (``last[u] < last[v]``: u's latest computation is read by an earlier one of
             # v already, and a second reader would break the pair's fusion; an original
             # computation since u's latest one, where the cone reads an input of v:
@@ -1603,6 +1625,18 @@ def _anchor_ordering_edges(new, graph_def, gate_names, dtypes, position, twins=f
             # ordering edges, ran apart from its convolution copy, and 62 variables
             # differed by up to 2.2e-3 after 3 steps.
             return 1
+        if nodes[v].op in _CONTRACTIONS:
+            # A contraction copy may read every input through its chain's gates (a
+            # variable read among them): the gate in front of one is as stable. A
+            # control input left on the copy keeps the remapper from fusing its bias
+            # add and activation into it (the oneDNN pass still fuses the bias add):
+            # a random U-Net of ``benchmarks/keras_fuzz.py`` (unet 3) recomputed a
+            # convolution, its BiasAdd and ELU, the copy ran ``Elu`` alone where the
+            # original ran ``_MklNativeFusedConv2D(BiasAdd, Elu)``, and 3 variables
+            # differed after one step; with the edges on a gate, bitwise.
+            for pos in gateable_inputs(v):
+                if _split(nodes[v].input[pos])[0] in gate_names:
+                    return pos
         best = None
         for pos in gateable_inputs(v):
             p = nodes[_split(nodes[v].input[pos])[0]]
