@@ -466,9 +466,12 @@ def rewrite_graph_def(
         # early, beside the backward pass (``keras_fuzz.py conv 8``: 15.1 MiB
         # measured for 12.4 expected).
         floor = position.get(anchor[0], 0) if anchor else 0
-        candidates.sort(key=lambda t: early.get(latest.get(t, t), floor) < floor)
-        if anchor and anchor[0] in originals and candidates \
-                and early.get(latest.get(candidates[0], candidates[0]), floor) < floor:
+
+        def runs_early(t: str) -> bool:
+            return early.get(latest.get(t, t), floor) < floor
+
+        candidates.sort(key=runs_early)
+        if anchor and anchor[0] in originals and candidates and runs_early(candidates[0]):
             candidates.insert(0, anchor[0])
         triggers: list[str] = []
         for t in candidates:
