@@ -1446,6 +1446,45 @@ def test_copies_of_one_op_from_the_same_inputs_are_kept_apart_by_a_gate():
     assert bool(tf.reduce_all(tf.equal(out, expected)))
 
 
+def test_copies_of_a_product_of_elementwise_ops_are_kept_apart_by_a_gate():
+    """The exact GELU ``(x * 0.5) * erfc(-x / sqrt 2)``: a plan may keep the two
+    factors' copies for the gradient and recompute their product twice from them.
+    Both copies read the same tensors, so CSE merged them and the product lived
+    between the two (random U-Net, keras_fuzz unet 0: 18.25 MiB measured where 16.0
+    was expected, a 2 MiB product held across a MaxPool gradient). The factors are
+    elementwise ops, which the gate rule left alone for the Swish pattern's sake; a
+    factor that is no activation's partner (here the ``Mul``) now takes the gate."""
+    from tfremat.emit import emit
+    from tfremat.rewrite import rewrite_graph_def
+
+    @tf.function
+    def f(x, y):
+        c = tf.sin(x, name="C")
+        h = tf.multiply(c, 0.5, name="H")
+        e = tf.math.erfc(c, name="E")
+        m = tf.multiply(h, e, name="M")
+        r1 = tf.exp(m, name="R1")
+        t = tf.tanh(y, name="T")
+        r2 = tf.cos(m, name="R2")
+        u = tf.sqrt(tf.abs(y), name="U")
+        r3 = tf.sin(m, name="R3")
+        return r1 + r2 + r3 + t + u + h * e
+
+    args = (tf.random.stateless_normal((256, 256), (1, 2)), tf.random.stateless_normal((256, 256), (3, 4)))
+    traced = trace(f, args, {})
+    g = build_graph(traced.records, traced.arg_placeholders).graph
+    order = list(g.graph["order"])
+    head = order[: order.index("R1") + 1]
+    rest = [v for v in order if v not in head and v not in ("T", "R2", "Abs", "U", "R3")]
+    schedule = head + ["T", "C", "H", "E", "M", "R2", "Abs", "U", "M", "R3"] + rest
+    gd, _ = rewrite_graph_def(traced.graph_def, schedule, g, traced.dtypes, strict=True)
+    nodes = {n.name: n for n in gd.node}
+    first, second = nodes["M/_remat1"], nodes["M/_remat2"]
+    assert list(first.input) != list(second.input), "CSE would merge the two copies"
+    out, expected = emit(traced, gd)(*args), f(*args)
+    assert bool(tf.reduce_all(tf.equal(out, expected)))
+
+
 def test_no_member_of_a_fused_dense_layer_drives_an_ordering_edge(monkeypatch):
     """The remapper fuses ``MatMul -> BiasAdd -> Relu`` into one oneDNN kernel unless
     a member drives a control edge; an unfused layer computes other bits. Found on the

@@ -680,7 +680,11 @@ def rewrite_graph_def(
         # computed by an op no arithmetic rewrite folds into it (not elementwise) and
         # read by none of its other inputs' producers: a gate on the ``x`` of
         # ``Mul(x, Sigmoid(x))`` broke oneDNN's Swish pattern (EfficientNetV2B0:
-        # 1.1e-2 after 3 steps).
+        # 1.1e-2 after 3 steps). Where no input is such, an elementwise one that is
+        # no activation's partner in a fusion pattern takes the gate: the exact
+        # GELU's ``(x * 0.5) * erfc(-x / sqrt 2)``, recomputed twice from one pair of
+        # factor copies, was merged and held 2 MiB across a MaxPool gradient (a
+        # random U-Net, keras_fuzz unet 0: 18.25 MiB measured for 16.0 expected).
         sig = signature(src)
         twin_copy = (k > 0 and chain_triggers and src.op in _ADD_FAMILY | _MUL_FAMILY
                      and sig in signatures.get(v, ())
@@ -691,13 +695,13 @@ def rewrite_graph_def(
             read_by_others = {
                 t for b in bound_in for t in (_split(i)[0] for i in nodes_by_name(b).input if not i.startswith("^"))
             }
-            twin_gate_at = next(
-                (b for b, (o, _) in zip(bound_in, data)
-                 if b != twin.get(o, o) and originals[twin.get(o, o)].op not in _ELEMENTWISE
-                 and not constant(twin.get(o, o))
-                 and b not in read_by_others),
-                None,
-            )
+            candidates = [
+                (b, originals[twin.get(o, o)].op) for b, (o, _) in zip(bound_in, data)
+                if b != twin.get(o, o) and not constant(twin.get(o, o)) and b not in read_by_others
+            ]
+            twin_gate_at = next((b for b, op in candidates if op not in _ELEMENTWISE), None)
+            if twin_gate_at is None:
+                twin_gate_at = next((b for b, op in candidates if op not in _ACTIVATION_PARTNERS), None)
             twin_copy = twin_gate_at is not None
         for inp in src.input:
             if inp.startswith("^"):
@@ -861,6 +865,10 @@ _FANOUT_RESEATED = _REWRITTEN_SOURCES | _ALIAS_SOURCES
 # MinimizeBroadcasts: reassociated Mul chains; a factor hoisted out of a sum) only
 # when no member has or drives a control dependency.
 _ADD_FAMILY = frozenset({"Add", "AddV2", "AddN"})
+# Elementwise ops that a remapper pattern fuses with the product reading them
+# (Swish: Mul(x, Sigmoid(x)); Mish: Mul(x, Tanh(Softplus(x)))): never gated in
+# front of that product.
+_ACTIVATION_PARTNERS = frozenset({"Sigmoid", "Tanh", "Softplus", "Relu", "Relu6", "Elu", "Exp"})
 # Copies of these ops get no (re-seated) ordering control inputs; see _anchor_ordering_edges.
 _UNORDERED_COPY_OPS = frozenset({"Mul"})
 # A division joins the products: Grappler turns ``x / c`` into ``x * (1/c)`` and then
