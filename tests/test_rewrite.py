@@ -216,6 +216,24 @@ def test_a_recomputed_activation_gets_its_own_convolution_and_bias_add_copies():
     assert _with_fused_producers(order + [conv, bias, elu], gd, g) == order + [conv, bias, elu]
 
 
+def test_a_recomputed_residual_sum_gets_its_own_product_and_bias_add_copies():
+    """``h + (x @ w + b)`` is one oneDNN kernel (``_MklNativeFusedMatMul`` with
+    ``BiasAdd, Add``): a copy of the sum alone would read the original BiasAdd and
+    unfuse the forward pass's kernel too. So would a copy of a ``Relu`` after it."""
+    from tfremat.rewrite import _with_fused_producers
+
+    @tf.function
+    def f(x, h, w, b):
+        z = h + tf.nn.bias_add(tf.matmul(x, w), b)
+        return tf.reduce_sum(tf.nn.relu(z))
+
+    gd, g, ops, order = _traced(f, tf.ones((4, 3)), tf.ones((4, 5)), tf.ones((3, 5)), tf.ones((5,)))
+    mm, bias, add, relu = only(ops, "MatMul"), only(ops, "BiasAdd"), only(ops, "AddV2"), only(ops, "Relu")
+    assert _with_fused_producers(order + [add], gd, g) == order + [mm, bias, add]
+    assert _with_fused_producers(order + [relu], gd, g) == order + [mm, bias, add, relu]
+    assert _with_fused_producers(order + [mm, bias, add], gd, g) == order + [mm, bias, add]
+
+
 def test_a_fused_cone_stops_at_a_convolution():
     """Keras' Swish ``x * sigmoid(beta * x)`` rebuilds [beta * x, sigmoid]; a ReLU
     after a first-layer convolution rebuilds nothing (the cone would reach the
@@ -425,6 +443,33 @@ def test_an_ordering_edge_never_lands_on_an_add_tree_the_optimizer_merges():
     nodes = _anchored(gd, order, [(v, p), (relu, p)])
     assert not [i for i in nodes[v].input if i.startswith("^")]
     assert _waits(nodes, relu) == ["^" + p]
+
+
+def test_a_residual_sum_of_a_dense_layer_drives_no_ordering_edge():
+    """``h + (x @ w + b)``: the remapper fuses the MatMul, its BiasAdd and the residual
+    sum into one oneDNN kernel (``_MklNativeFusedMatMul`` with ``BiasAdd, Add``)
+    unless a member drives a control edge, and the unfused sum rounds otherwise (a
+    random residual MLP, keras_fuzz mlp 6: the loss differed at the third step, 48
+    variables apart). An ordering edge from such a sum comes from a later op; one
+    from a plain sum of two arguments stays."""
+    @tf.function
+    def f(x, h, w, b, y):
+        d = tf.nn.bias_add(tf.matmul(x, w), b)
+        z = h + d
+        q = h + y
+        return tf.exp(z), tf.tanh(q), tf.sin(y)
+
+    args = (tf.ones((4, 3)), tf.ones((4, 5)), tf.ones((3, 5)), tf.ones((5,)), tf.ones((4, 5)))
+    gd, _, ops, order = _traced(f, *args)
+    by_name = {n.name: n for n in gd.node}
+    (z,) = [n for n, op in ops.items() if op == "AddV2"
+            and any(ops[i.split(":")[0]] == "BiasAdd" for i in by_name[n].input)]
+    (q,) = [n for n, op in ops.items() if op == "AddV2" and n != z]
+    sin = only(ops, "Sin")
+    nodes = _anchored(gd, order, [(sin, z)])
+    assert "^" + z not in _waits(nodes, sin)
+    nodes = _anchored(gd, order, [(sin, q)])
+    assert _waits(nodes, sin) == ["^" + q]
 
 
 def test_an_ordering_edge_never_lands_on_a_division_the_optimizer_reassociates():

@@ -191,6 +191,9 @@ def _with_fused_producers(schedule: Sequence[Hashable], graph_def, graph: nx.DiG
         c = contraction(v)
         if c is not None:
             return [c]
+        summed = residual(v)
+        if summed:
+            return summed
         if by_name[v].op not in _FUSED_ACTIVATIONS or not data_in.get(v):
             return []
         # (a BiasAdd only: an Add is fused as a bias only where its other operand is
@@ -199,7 +202,24 @@ def _with_fused_producers(schedule: Sequence[Hashable], graph_def, graph: nx.DiG
         if not recomputable(b) or consumers.get(b) != {v}:
             return []
         c = contraction(b)
-        return [] if c is None else [c, b]
+        if c is not None:
+            return [c, b]
+        summed = residual(b)
+        return summed + [b] if summed else []
+
+    def residual(v) -> list:
+        """[contraction, BiasAdd] when ``v`` is a sum the remapper fuses into them
+        (``_MklNativeFusedMatMul`` with ``BiasAdd, Add``: a residual ``h + Dense(f)``,
+        found by a random residual MLP, keras_fuzz mlp 6), the BiasAdd read by ``v``
+        alone; else []."""
+        if by_name[v].op not in ("Add", "AddV2"):
+            return []
+        for b in dict.fromkeys(data_in.get(v, ())):
+            if recomputable(b) and consumers.get(b) == {v}:
+                c = contraction(b)
+                if c is not None:
+                    return [c, b]
+        return []
 
     out: list = []
     firsts = [0]  # firsts[i]: original computations in out[:i]
@@ -1511,7 +1531,11 @@ def _anchor_ordering_edges(new, graph_def, gate_names, dtypes, position, twins=f
         which it does not when any member drives a control edge. Found on a GAN step
         (``benchmarks/steps_sweep.py gan``, 2 ops recomputed): the generator's Dense
         ``Relu``s and a discriminator ``MatMul`` were ordering sources, ran unfused,
-        and 33 of 46 values differed by up to 1.2e-7 after one step.
+        and 33 of 46 values differed by up to 1.2e-7 after one step. A residual sum
+        of the biased contraction is a member too (``_MklNativeFusedMatMul`` with
+        ``BiasAdd, Add``): a random residual MLP's ``h + Dense(f)`` drove an
+        ordering edge, ran as a separate ``AddV2``, and the loss differed at the
+        third step (keras_fuzz mlp 6, 48 variables apart).
         Memoized: the searches for a substitute source ask about the same ops again,
         and each answer scans consumers (the data graph does not change here)."""
         if u in fused:
@@ -1534,17 +1558,28 @@ def _anchor_ordering_edges(new, graph_def, gate_names, dtypes, position, twins=f
                     return True
             return False
 
+        def summed(a) -> bool:  # a adds a tensor to a biased contraction it alone reads
+            if a.op not in ("Add", "AddV2"):
+                return False
+            for i in a.input:
+                if i.startswith("^"):
+                    continue
+                b = real_producer(i)
+                if b is not None and biased(b) and only_reader(b.name, a.name):
+                    return True
+            return False
+
         n = nodes.get(u)
         if n is None:
             return False
         if n.op in _CONTRACTIONS:
             cs = real_consumers(u)
             return len(cs) == 1 and biased(nodes[cs[0]])
-        if biased(n):
+        if biased(n) or summed(n):
             return True
         if n.op in _FUSED_ACTIVATIONS and n.input and not n.input[0].startswith("^"):
             b = real_producer(n.input[0])
-            return b is not None and biased(b) and only_reader(b.name, u)
+            return b is not None and (biased(b) or summed(b)) and only_reader(b.name, u)
         return False
 
     def limit(v):
