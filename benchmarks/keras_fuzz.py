@@ -1,7 +1,7 @@
-"""Random Keras models of six kinds through ``tfremat.keras``: bitwise and under budget.
+"""Random Keras models of seven kinds through ``tfremat.keras``: bitwise and under budget.
 
     python benchmarks/keras_fuzz.py FAMILY [FIRST [COUNT]]     # FAMILY: unet, fp16,
-                                     # multi, fp16multi, rnn, attn, fp16attn, conv, fp16conv
+                                     # multi, fp16multi, rnn, attn, fp16attn, conv, fp16conv, mlp, fp16mlp
     python benchmarks/keras_fuzz.py all [COUNT]               # every family, a table
 
 A search for bugs, not a benchmark of speed: each model ``k`` of a family is drawn
@@ -12,7 +12,7 @@ infeasible (op determinism on). One JSON line per model: whether every loss, met
 and variable is bitwise equal, the measured peak against the budget, the prediction,
 and the ops recomputed. ``all`` runs each family in its own process and prints a table.
 
-Families (small shapes, batch 64, so a model takes seconds):
+Families (small shapes, batch 64 unless said, so a model takes seconds):
 
 - ``unet``: a U-Net (strided conv or pooling down, transposed conv or upsampling up,
   concatenated or added skips), BatchNorm/GroupNorm/LayerNorm or none, four
@@ -32,7 +32,11 @@ Families (small shapes, batch 64, so a model takes seconds):
 - ``conv``: image classifiers (session 40) of plain, depthwise-separable,
   inverted-residual and squeeze-and-excitation blocks, residual or not, six
   activations (hard swish, ReLU6, leaky ReLU among them), pooling;
-  ``fp16conv`` under ``mixed_float16``.
+  ``fp16conv`` under ``mixed_float16``;
+- ``mlp``: residual MLPs (session 42, batch 1024) of 2-5 blocks, plain or gated
+  (GLU), BatchNorm, LayerNorm, RMS norm or none, one of 14 activations (exact and
+  tanh GELU, Mish, SiLU, hard SiLU, SELU, softplus, softsign, hard sigmoid among
+  them); ``fp16mlp`` under ``mixed_float16``.
 
 Every family draws its optimizer among Adam, SGD (momentum, Nesterov), RMSprop,
 AdamW, Adam with clipnorm / global_clipnorm / EMA. Results: docs/keras.md
@@ -47,9 +51,10 @@ import subprocess
 import sys
 import traceback
 
-FAMILIES = ("unet", "fp16", "multi", "fp16multi", "rnn", "attn", "fp16attn", "conv", "fp16conv")
+FAMILIES = ("unet", "fp16", "multi", "fp16multi", "rnn", "attn", "fp16attn", "conv", "fp16conv", "mlp", "fp16mlp")
 STEPS = 3
 BATCH = 64
+MLP_BATCH = 1024  # activations of 0.25-1 MiB per layer
 
 
 def draw(r: random.Random, family: str) -> dict:
@@ -80,7 +85,16 @@ def draw(r: random.Random, family: str) -> dict:
         "blocks_kind": [r.choice(("plain", "separable", "inverted", "se")) for _ in range(r.randint(2, 4))],
         "residual": r.random() < 0.6,
         "conv_act": r.choice(("relu", "relu6", "hard_swish", "swish", "gelu", "leaky_relu")),
+        # mlp (session 42): residual Dense blocks, a wider set of activations
+        "mlp_act": r.choice(MLP_ACTIVATIONS),
+        "mlp_blocks": r.randint(2, 5),
+        "mlp_norm": r.choice(("bn", "ln", "rms", "none")),
+        "mlp_gated": r.random() < 0.3,
     }
+
+
+MLP_ACTIVATIONS = ("gelu", "gelu_tanh", "mish", "silu", "softplus", "selu", "tanh", "sigmoid",
+                   "hard_sigmoid", "elu", "softsign", "relu6", "leaky_relu", "hard_silu")
 
 
 def _optimizer(keras, name: str):
@@ -232,13 +246,38 @@ def _conv(keras, s):
     return model
 
 
+def _mlp(keras, s):
+    L = keras.layers
+    w = 4 * s["width"]
+    act = s["mlp_act"]
+    if act == "gelu_tanh":
+        act = lambda t: keras.activations.gelu(t, approximate=True)  # noqa: E731
+    norm = {"bn": L.BatchNormalization, "ln": L.LayerNormalization, "none": L.Identity,
+            "rms": lambda: L.LayerNormalization(rms_scaling=True)}[s["mlp_norm"]]
+    inp = keras.Input((24,))
+    h = L.Dense(w)(inp)
+    for _ in range(s["mlp_blocks"]):
+        x = norm()(h)
+        if s["mlp_gated"]:  # a GLU: act(x W) * (x V)
+            f = L.Multiply()([L.Dense(2 * w, activation=act)(x), L.Dense(2 * w)(x)])
+        else:
+            f = L.Dense(2 * w, activation=act)(x)
+        if s["dropout"]:
+            f = L.Dropout(s["dropout"])(f)
+        h = L.Add()([h, L.Dense(w, kernel_regularizer=keras.regularizers.L2(s["reg"]) if s["reg"] else None)(f)])
+    model = keras.Model(inp, L.Dense(3, dtype="float32")(norm()(h)))
+    model.compile(optimizer=_optimizer(keras, s["opt"]), metrics=["accuracy"],
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
 def build(s: dict):
     import keras
 
     keras.utils.set_random_seed(0)
     keras.mixed_precision.set_global_policy("mixed_float16" if s["family"].startswith("fp16") else "float32")
     base = s["family"].removeprefix("fp16") or "unet"
-    return {"unet": _unet, "multi": _multi, "rnn": _rnn, "attn": _attn, "conv": _conv}[base](keras, s)
+    return {"unet": _unet, "multi": _multi, "rnn": _rnn, "attn": _attn, "conv": _conv, "mlp": _mlp}[base](keras, s)
 
 
 def data(s: dict):
@@ -255,6 +294,11 @@ def data(s: dict):
     elif base == "attn":
         x = rng.integers(0, 50, (n, 48)).astype("int32") if s["tokens"] else rng.standard_normal((n, 48, 6)).astype("float32")
         y = rng.integers(0, 3, (n,)).astype("int32")
+    elif base == "mlp":
+        x = rng.standard_normal((MLP_BATCH, 24)).astype("float32")
+        y = rng.integers(0, 3, (MLP_BATCH,)).astype("int32")
+        sw = rng.random(MLP_BATCH).astype("float32") if s["sw"] else None
+        return x, y, sw
     elif base == "conv":
         x = rng.standard_normal((n, 24, 24, 3)).astype("float32")
         y = rng.integers(0, 5, (n,)).astype("int32")
