@@ -522,3 +522,30 @@ def test_an_op_of_a_guessed_size_is_not_probed_for_scratch():
     assert sorted(r.outputs[0].estimated for r in convs) == [False, True]
     for r in convs:
         assert (_input_specs(r, by_name) is None) == r.outputs[0].estimated
+
+
+def test_the_tanh_gelus_square_is_planned_beside_its_cube():
+    """A traced tanh GELU step: its constants carry their values, the gradient's
+    ``Pow(x, 3 - 1)`` is planned as the forward ``Pow(x, 3)``'s input (Grappler
+    computes the two together, graph.build_graph), in the forward pass."""
+    from tfremat.graph import build_graph
+
+    w = tf.Variable(tf.ones((8, 8)))
+
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.nn.gelu(x @ w, approximate=True))
+        return tape.gradient(loss, w)
+
+    traced = trace(step, (tf.ones((4, 8)),), {})
+    assert 3.0 in {r.scalar for r in traced.records if r.op_type == "Const"}
+    g = build_graph(traced.records, traced.arg_placeholders).graph
+    pows = {v: d for v, d in g.nodes(data=True) if d["op_type"] == "Pow"}
+    assert len(pows) == 2, sorted(pows)
+    (square,) = [v for v in pows if any(g.has_edge(v, u) for u in pows)]
+    (cube,) = [v for v in pows if v != square]
+    assert g.edges[square, cube]["kind"] == "liveness"
+    assert pows[square]["phase"] == "forward"
+    order = g.graph["order"]
+    assert order.index(square) < order.index(cube)

@@ -90,6 +90,7 @@ class OpRecord:
     # whole (trace._loop_cost; the planning graph also checks the variables it reads)
     loop_cost: float = 0.0
     pure_loop: bool = False
+    scalar: float | None = None  # Const ops holding one number: its value
 
 
 _STATIC_OPS = frozenset({"Placeholder", "Const", "HostConst", "VarHandleOp", "ReadVariableOp"})
@@ -745,6 +746,51 @@ def _cse_twins(records: Sequence[OpRecord], g: nx.DiGraph) -> dict:
     return twins
 
 
+def _scalar(t: str, by_name: Mapping[str, OpRecord], depth: int = 0) -> float | None:
+    """The value of tensor ``t`` where it is a number computed from constants only
+    (a ``Const``, or a sum, difference, product, quotient, negation or cast of such):
+    what Grappler's constant folding makes of it. None otherwise."""
+    r = by_name.get(producer(t))
+    if r is None or depth > 4:
+        return None
+    if r.scalar is not None:
+        return r.scalar
+    args = [_scalar(i, by_name, depth + 1) for i in r.inputs]
+    if not args or any(a is None for a in args):
+        return None
+    if r.op_type in ("Identity", "Cast") and len(args) == 1:
+        return args[0]
+    if r.op_type == "Neg" and len(args) == 1:
+        return -args[0]
+    if len(args) == 2:
+        a, b = args
+        if r.op_type == "Sub":
+            return a - b
+        if r.op_type in ("Add", "AddV2"):
+            return a + b
+        if r.op_type == "Mul":
+            return a * b
+        if r.op_type in ("RealDiv", "Div") and b:
+            return a / b
+    return None
+
+
+def _convert_pow_pairs(records: Sequence[OpRecord], by_name: Mapping[str, OpRecord], twin_of: Mapping) -> dict:
+    """``Pow(x, 2)`` -> the ``Pow(x, 3)`` of the same ``x`` that Grappler computes it
+    with (see build_graph), for constant exponents."""
+    cubes: dict = {}
+    squares: dict = {}
+    for r in records:
+        if r.op_type != "Pow" or len(r.inputs) != 2 or r.name in twin_of:
+            continue
+        e = _scalar(r.inputs[1], by_name)
+        if e == 3.0:
+            cubes.setdefault(r.inputs[0], r.name)
+        elif e == 2.0:
+            squares.setdefault(r.inputs[0], r.name)
+    return {q: cubes[x] for x, q in squares.items() if x in cubes}
+
+
 def build_graph(
     records: Sequence[OpRecord],
     argument_ops: Iterable[str] = (),
@@ -903,11 +949,28 @@ def build_graph(
             if root not in (src, c.name) and not g.has_edge(root, c.name):
                 g.add_edge(root, c.name, kind="liveness")
 
+    # Grappler computes x**3 as x * x**2 (the arithmetic optimizer's ConvertPow) and
+    # its common-subexpression pass merges that x**2 with a Pow(x, 2) of the same x:
+    # the tanh GELU's gradient of x**3. The merged power runs in the forward pass and
+    # lives until the gradient reads it; the trace's order had it in the backward
+    # pass (a random residual MLP, keras_fuzz mlp 16: three 1 MiB powers the plan
+    # did not count, 15.5 MiB measured for 11.0 expected). Planned as the cube's
+    # input, right before it.
+    squared_by = _convert_pow_pairs(records, by_name, twin_of)
+    for q, p3 in squared_by.items():
+        if not g.has_edge(q, p3):
+            g.add_edge(q, p3, kind="liveness")
+
     # Program order, except where control edges added after creation (automatic
     # control dependencies) demand otherwise.
     # Variable writes run as soon as they are ready (the executor runs ready ops, and
     # that frees each gradient early), so they sort first among ready ops.
     position = {name: i for i, name in enumerate(order)}
+    for q, p3 in squared_by.items():
+        # (with the constants its exponent is computed from, traced in the gradient)
+        for a in nx.ancestors(g, q) | {q}:
+            if position[a] > position[p3]:
+                position[a] = position[p3] - 0.5
     writes = {r.name for r in records if is_variable_write(r.op_type)}
     with_order_edges = nx.DiGraph(g.edges)
     with_order_edges.add_nodes_from(g.nodes)

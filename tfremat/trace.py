@@ -354,6 +354,20 @@ def _value_digest(op) -> str:
     return hashlib.sha1(op.node_def.attr["value"].SerializeToString(deterministic=True)).hexdigest()
 
 
+def _scalar_value(op) -> float | None:
+    """The number a ``Const`` of one element holds (None otherwise)."""
+    if op.type not in ("Const", "HostConst"):
+        return None
+    proto = op.node_def.attr["value"].tensor
+    if math.prod(d.size for d in proto.tensor_shape.dim) != 1:
+        return None
+    try:
+        value = import_tf().make_ndarray(proto)
+        return float(value.reshape(-1)[0])
+    except (TypeError, ValueError):  # strings, resources
+        return None
+
+
 def _live_ops(graph, outputs, keep=()) -> set:
     """Names of the ops the runtime runs: the outputs, the control outputs, every
     stateful op, what they read (data or control, transitively), and ``keep``.
@@ -437,6 +451,7 @@ def trace(fn, args: tuple, kwargs: dict | None = None) -> TracedStep:
                 calls_function=calls_function,
                 equation=op.get_attr("equation").decode() if op.type == "Einsum" else "",
                 value_digest=_value_digest(op),
+                scalar=_scalar_value(op),
                 attr_digest=_attr_digest(op),
                 loop_cost=cost,
                 pure_loop=pure,
