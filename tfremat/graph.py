@@ -746,6 +746,9 @@ def _cse_twins(records: Sequence[OpRecord], g: nx.DiGraph) -> dict:
     return twins
 
 
+_FOLDED_ARITHMETIC = frozenset({"Identity", "Cast", "Neg", "Sub", "Add", "AddV2", "Mul", "RealDiv", "Div"})
+
+
 def _scalar(t: str, by_name: Mapping[str, OpRecord], depth: int = 0) -> float | None:
     """The value of tensor ``t`` where it is a number computed from constants only
     (a ``Const``, or a sum, difference, product, quotient, negation or cast of such):
@@ -755,6 +758,8 @@ def _scalar(t: str, by_name: Mapping[str, OpRecord], depth: int = 0) -> float | 
         return None
     if r.scalar is not None:
         return r.scalar
+    if r.op_type not in _FOLDED_ARITHMETIC:
+        return None
     args = [_scalar(i, by_name, depth + 1) for i in r.inputs]
     if not args or any(a is None for a in args):
         return None
@@ -956,19 +961,23 @@ def build_graph(
     # pass (a random residual MLP, keras_fuzz mlp 16: three 1 MiB powers the plan
     # did not count, 15.5 MiB measured for 11.0 expected). Planned as the cube's
     # input, right before it.
-    squared_by = _convert_pow_pairs(records, by_name, twin_of)
-    for q, p3 in squared_by.items():
-        if not g.has_edge(q, p3):
+    # (each square with what it waits for: x, and the constants its exponent is
+    # computed from, traced in the gradient; none where a control input already
+    # orders the square after the cube, as an edge would close a cycle)
+    squared_by = {}
+    for q, p3 in _convert_pow_pairs(records, by_name, twin_of).items():
+        before = nx.ancestors(g, q) | {q}
+        if p3 not in before:
             g.add_edge(q, p3, kind="liveness")
+            squared_by[p3] = before
 
     # Program order, except where control edges added after creation (automatic
     # control dependencies) demand otherwise.
     # Variable writes run as soon as they are ready (the executor runs ready ops, and
     # that frees each gradient early), so they sort first among ready ops.
     position = {name: i for i, name in enumerate(order)}
-    for q, p3 in squared_by.items():
-        # (with the constants its exponent is computed from, traced in the gradient)
-        for a in nx.ancestors(g, q) | {q}:
+    for p3, before in squared_by.items():
+        for a in before:
             if position[a] > position[p3]:
                 position[a] = position[p3] - 0.5
     writes = {r.name for r in records if is_variable_write(r.op_type)}
