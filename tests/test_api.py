@@ -260,6 +260,60 @@ def test_ops_colocated_with_an_argument_or_a_captured_variable_are_rewritten():
     _assert_exact_when_recomputing(build, (img, ids, tf.constant([1, 2])))
 
 
+def test_an_argument_the_step_never_reads_is_accepted():
+    """``step(x, y, seed)`` whose body ignores ``seed``: import_graph_def refused to map
+    a placeholder no node reads ("Attempted to map inputs that were not found")."""
+
+    def build():
+        rng = np.random.default_rng(0)
+        ws = [tf.Variable(rng.standard_normal((256, 256)).astype("float32") * 0.06) for _ in range(10)]
+
+        @tf.function
+        def step(x, seed):
+            with tf.GradientTape() as tape:
+                h = x
+                for w in ws:
+                    h = tf.nn.relu(h @ w)
+                loss = tf.reduce_mean(h * h)
+            for w, g in zip(ws, tape.gradient(loss, ws)):
+                w.assign_sub(0.1 * g)
+            return loss
+
+        return step, ws
+
+    x = tf.constant(np.random.default_rng(1).standard_normal((1024, 256)).astype("float32"))
+    _assert_exact_when_recomputing(build, (x, tf.constant([1, 2])))
+
+
+def test_a_fused_batch_norm_is_planned_and_exact():
+    """``FusedBatchNormV3`` (tf.compat.v1's fused_batch_norm, tf_keras' BatchNormalization)
+    leaves its ``reserve_space_3`` of unknown shape; it is empty on CPU and was refused
+    with UnknownShapeError."""
+
+    def build():
+        rng = np.random.default_rng(0)
+        ks = [tf.Variable(rng.standard_normal((3, 3, 16, 16)).astype("float32") * 0.1) for _ in range(6)]
+        scale, offset = tf.Variable(tf.ones(16)), tf.Variable(tf.zeros(16))
+
+        @tf.function
+        def step(x):
+            with tf.GradientTape() as tape:
+                h = x
+                for k in ks:
+                    h = tf.nn.conv2d(h, k, 1, "SAME")
+                    h = tf.nn.relu(tf.compat.v1.nn.fused_batch_norm(h, scale, offset, is_training=True)[0])
+                loss = tf.reduce_mean(h * h)
+            vs = ks + [scale, offset]
+            for v, g in zip(vs, tape.gradient(loss, vs)):
+                v.assign_sub(0.1 * g)
+            return loss
+
+        return step, ks + [scale, offset]
+
+    x = tf.constant(np.random.default_rng(1).standard_normal((64, 24, 24, 16)).astype("float32"))
+    _assert_exact_when_recomputing(build, (x,))
+
+
 def test_a_gradient_repeating_forward_ops_is_planned_as_merged_and_exact():
     """A hand-written gradient recomputes ``sigmoid(x)`` and ``x * sigmoid(x)`` from
     ``x``; Grappler merges them with the forward's (CSE), so they are computed once, in

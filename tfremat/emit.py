@@ -39,12 +39,16 @@ def emit(traced: TracedStep, graph_def, name: str = "remat") -> Any:
     del gd.node[:]
     gd.node.extend(kept_nodes)
     _drop_colocation_with(gd, fed)
+    # import_graph_def refuses to map a tensor nothing reads: an argument the step
+    # ignores (``step(x, y, seed)`` with no dropout) or a capture the rewrite left unused
+    read = {i.split(":")[0] for n in gd.node for i in n.input if not i.startswith("^")}
 
     def body(*args):
         g = tf.compat.v1.get_default_graph()
-        input_map = {f"{ph}:0": a for ph, a in zip(arg_names, args)}
+        input_map = {f"{ph}:0": a for ph, a in zip(arg_names, args) if ph in read}
         for handle, ph in captures:
-            input_map[f"{ph}:0"] = g.capture(handle)
+            if ph in read:
+                input_map[f"{ph}:0"] = g.capture(handle)
         sink = [FANOUT_SINK] if any(n.name == FANOUT_SINK for n in gd.node) else []
         flat = tf.graph_util.import_graph_def(
             gd, input_map=input_map, return_elements=outputs + sink, name=name

@@ -16,6 +16,10 @@ from .graph import BRANCH_OPS, OpRecord, TensorInfo, is_variable_write, producer
 # Shape-arithmetic ops whose int outputs may have an unknown length: at most a few
 # elements per rank, so they are counted as 0 bytes instead of refusing the graph.
 _SHAPE_OPS = frozenset({"BroadcastGradientArgs", "Shape", "ShapeN", "Size", "Rank", "DynamicStitch"})
+# Outputs whose shape TensorFlow's shape function leaves unknown although the CPU
+# kernel's is empty: a fused batch norm's ``reserve_space_3`` (shape [] or [0] on CPU,
+# with or without oneDNN; measured, docs/design.md) is counted as 0 bytes.
+_EMPTY_OUTPUTS = frozenset({("FusedBatchNormV3", 5), ("_FusedBatchNormEx", 5)})
 
 
 @dataclasses.dataclass
@@ -83,6 +87,8 @@ def _tensor_info(t, bound: int = 0) -> TensorInfo:
     if shape.rank is None or any(d is None for d in shape.as_list()):
         if t.op.type in _SHAPE_OPS:
             return TensorInfo((), dtype.name, 0)
+        if (t.op.type, t.value_index) in _EMPTY_OUTPUTS:
+            return TensorInfo((0,), dtype.name, 0)
         if not bound or shape.rank is None:
             raise UnknownShapeError(t.name, shape)
         known = math.prod(int(d) for d in shape.as_list() if d is not None)
