@@ -455,3 +455,33 @@ def test_a_square_grappler_merges_into_a_cube_is_planned_in_the_forward_pass():
     assert not g4.has_edge("sq", "cube")
     assert order4.index("sq") > order4.index("y")
     assert simulate(g4, order4).memory[order4.index("y")] == MIB
+
+
+@pytest.mark.parametrize("x, kept", [("Dense/BiasAdd", False), ("conv1d/Squeeze", True), ("einsum_7/Einsum", True)])
+def test_a_cube_whose_bits_depend_on_the_square_grappler_keeps_is_not_copied(x, kept):
+    """Grappler pushes the constant of ``c * x**3`` down to the factor of ``x * s``
+    whose name sorts first; ``s`` is the gradient's square in the plain step and the
+    cube's own square where a plan recomputes the gradient's. Where ``x``'s name
+    sorts between the two (``tf.nn.gelu(approximate=True)`` of a conv1d or an einsum,
+    steps_fuzz 10: 29 of 37 values apart), the square, the cube and ``c * cube`` are
+    kept; elsewhere (a Dense layer's bias add) they may be recomputed."""
+    shape = (256, 1024)
+    recs = [
+        _op(x, "Placeholder", out=[_t(MIB, shape)]),
+        _op("Gelu/Pow/y", "Const", out=[_t(4, ())]),
+        _op("Gelu/Pow", "Pow", [f"{x}:0", "Gelu/Pow/y:0"], [_t(MIB, shape)]),
+        _op("Gelu/Cast/x", "Const", out=[_t(4, ())]),
+        _op("Gelu/mul_1", "Mul", ["Gelu/Cast/x:0", "Gelu/Pow:0"], [_t(MIB, shape)]),
+        _op("Gelu/Tanh", "Tanh", ["Gelu/mul_1:0"], [_t(MIB, shape)]),
+        _op("loss", "Sum", ["Gelu/Tanh:0"], [_t(4, ())]),
+        _op("gradient_tape/Gelu/Pow/sub/y", "Const", out=[_t(4, ())]),
+        _op("gradient_tape/Gelu/Pow/sub", "Sub", ["Gelu/Pow/y:0", "gradient_tape/Gelu/Pow/sub/y:0"], [_t(4, ())]),
+        _op("gradient_tape/Gelu/Pow/Pow", "Pow", [f"{x}:0", "gradient_tape/Gelu/Pow/sub:0"], [_t(MIB, shape)]),
+        _op("g", "Mul", ["gradient_tape/Gelu/Pow/Pow:0", "Gelu/Tanh:0"], [_t(MIB, shape)]),
+    ]
+    values = {"Gelu/Pow/y": 3.0, "gradient_tape/Gelu/Pow/sub/y": 1.0, "Gelu/Cast/x": 0.044715}
+    recs = [dataclasses.replace(r, scalar=values.get(r.name)) for r in recs]
+    g = build_graph(recs, [x]).graph
+    for v in ("gradient_tape/Gelu/Pow/Pow", "Gelu/Pow", "Gelu/mul_1"):
+        assert g.nodes[v]["recomputable"] is not kept, v
+    assert g.nodes["Gelu/Tanh"]["recomputable"]
