@@ -350,7 +350,8 @@ def main(argv: list[str]) -> None:
                     row = {"k": k, "bitwise": r["n_unequal"] == 0 and not r["shape_mismatch"],
                            "under": max(r["peaks"]) <= r["budget"], "baseline": max(ref["peaks"]),
                            "budget": int(r["budget"]), "kind": r["kind"], "measured": max(r["peaks"]),
-                           "calls": r["peaks"], "predicted": r["predicted"], "recomputed": r["recomputed"],
+                           "calls": r["peaks"], "predicted": r["predicted"], "chunks": r["chunks"],
+                           "expected": r["expected"], "recomputed": r["recomputed"],
                            "unequal": f"{r['n_unequal']} of {r['n_values']}, max {r['max_abs_diff']:.1e}"}
             rows.append(row)
             print(json.dumps({**row, "spec": draw(k)}), flush=True)

@@ -362,7 +362,8 @@ def worker(name, role, state_file):
             fn = tfremat.remat(tf.function(step), budget_gib=budget / 2**30)
             plan = fn.get_plan(*data[0])
             out["kind"] = "min+10 %"
-        out.update(budget=budget, predicted=plan.predicted_peak_bytes, recomputed=len(plan.recomputed))
+        out.update(budget=budget, predicted=plan.predicted_peak_bytes, recomputed=len(plan.recomputed),
+                   chunks=plan.allocator_peak_bytes, expected=plan.expected_peak_bytes)
     outs, peaks, times = [], [], []
     for args in data:
         tf.config.experimental.reset_memory_stats("CPU:0")

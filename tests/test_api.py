@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -283,6 +284,32 @@ def test_an_argument_the_step_never_reads_is_accepted():
 
     x = tf.constant(np.random.default_rng(1).standard_normal((1024, 256)).astype("float32"))
     _assert_exact_when_recomputing(build, (x, tf.constant([1, 2])))
+
+
+def test_a_step_compiled_with_xla_warns_and_runs_without_it():
+    """``tf.function(jit_compile=True)``: XLA would reorder the rewritten step and undo
+    the plan, so tfremat runs it without XLA, and says so."""
+    rng = np.random.default_rng(0)
+    ws = [tf.Variable(rng.standard_normal((256, 256)).astype("float32") * 0.06) for _ in range(8)]
+
+    def body(x):
+        with tf.GradientTape() as tape:
+            h = x
+            for w in ws:
+                h = tf.nn.relu(h @ w)
+            loss = tf.reduce_mean(h * h)
+        return loss, tape.gradient(loss, ws)
+
+    x = tf.constant(rng.standard_normal((1024, 256)).astype("float32"))
+    ref_loss, _ = tf.function(body)(x)
+    fn = tfremat.remat(tf.function(body, jit_compile=True), budget_gib=1.0)
+    with pytest.warns(RuntimeWarning, match="runs without XLA"):
+        loss, grads = fn(x)
+    assert float(loss) == float(ref_loss)  # the plain (not compiled) step's bits
+    assert len(grads) == len(ws)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tfremat.remat(tf.function(body), budget_gib=1.0)(x)  # no warning without XLA
 
 
 def test_a_fused_batch_norm_is_planned_and_exact():

@@ -96,6 +96,27 @@ def test_run_eagerly_is_refused():
         tfremat.keras.remat(model, budget_gib=1.0)
 
 
+def test_a_model_compiled_with_xla_warns_that_the_rewritten_step_runs_without_it():
+    """In a fresh process: Keras drops jit_compile under op determinism, which this
+    module turns on."""
+    import subprocess
+    import sys
+
+    code = (
+        "import warnings, keras, tfremat.keras\n"
+        "m = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])\n"
+        "m.compile(optimizer='sgd', loss='mse', jit_compile=True)\n"
+        "assert m.jit_compile\n"
+        "with warnings.catch_warnings(record=True) as r:\n"
+        "    warnings.simplefilter('always')\n"
+        "    tfremat.keras.remat(m, budget_gib=1.0)\n"
+        "print([str(w.message) for w in r])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "runs without XLA" in out.stdout
+
+
 def test_not_a_model_and_bad_budget():
     with pytest.raises(TypeError):
         tfremat.keras.remat(object(), budget_gib=1.0)

@@ -421,6 +421,12 @@ class RematFunction:
         from .trace import flat_tensor_args, trace, written_variables
 
         traced = trace(self._tf_function(), args, kwargs)
+        if _xla_compiled(traced.concrete):
+            _warn_user(
+                "tfremat.remat: the step is a tf.function(jit_compile=True); the rewritten "
+                "step runs without XLA (XLA would reorder its ops and undo the plan), so its "
+                "speed and last bits may differ from the compiled step's"
+            )
         sg = build_graph(traced.records, traced.arg_placeholders, traced.handle_bytes, traced.gradients)
         if self.measure_scratch:
             from .scratch import measure_scratch
@@ -720,6 +726,12 @@ def _smallest_counted(device: str) -> int | None:
     grew = _allocator_current_bytes(device) - before.get("current", 0)
     del probe
     return 0 if grew >= _PROBE_BYTES else _ONEDNN_SMALLEST_COUNTED
+
+
+def _xla_compiled(concrete) -> bool:
+    """Whether a concrete function is compiled with XLA as a whole (``jit_compile=True``)."""
+    attr = concrete.function_def.attr.get("_XlaMustCompile")
+    return bool(attr is not None and attr.b)
 
 
 def _warn_user(message: str) -> None:
