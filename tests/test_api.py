@@ -286,6 +286,35 @@ def test_an_argument_the_step_never_reads_is_accepted():
     _assert_exact_when_recomputing(build, (x, tf.constant([1, 2])))
 
 
+def test_a_colocation_with_an_op_the_trace_bypassed_is_dropped():
+    """``tf.clip_by_global_norm`` colocates each gradient's ``L2Loss`` with the
+    gradient; ``tf.recompute_grad``'s gradients come out of an ``IdentityN`` the
+    trace bypasses, and import_graph_def refused the constraint naming it
+    (steps_fuzz 47)."""
+
+    def build():
+        rng = np.random.default_rng(0)
+        ws = [tf.Variable(rng.standard_normal((256, 256)).astype("float32") * 0.06) for _ in range(8)]
+        block = tf.recompute_grad(lambda h: tf.nn.relu(h @ ws[0]) @ ws[1])
+
+        @tf.function
+        def step(x):
+            with tf.GradientTape() as tape:
+                h = block(x)
+                for w in ws[2:]:
+                    h = tf.nn.relu(h @ w)
+                loss = tf.reduce_mean(h * h)
+            grads, _ = tf.clip_by_global_norm(tape.gradient(loss, ws), 1.0)
+            for w, g in zip(ws, grads):
+                w.assign_sub(0.1 * g)
+            return loss
+
+        return step, ws
+
+    x = tf.constant(np.random.default_rng(1).standard_normal((1024, 256)).astype("float32"))
+    _assert_exact_when_recomputing(build, (x,), fraction=0.9)
+
+
 def test_a_step_compiled_with_xla_warns_and_runs_without_it():
     """``tf.function(jit_compile=True)``: XLA would reorder the rewritten step and undo
     the plan, so tfremat runs it without XLA, and says so."""

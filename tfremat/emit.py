@@ -38,7 +38,7 @@ def emit(traced: TracedStep, graph_def, name: str = "remat") -> Any:
     kept_nodes = [n for n in gd.node if n.name not in fed]
     del gd.node[:]
     gd.node.extend(kept_nodes)
-    _drop_colocation_with(gd, fed)
+    _drop_colocation_with(gd, fed | _missing_colocations(gd))
     # import_graph_def refuses to map a tensor nothing reads: an argument the step
     # ignores (``step(x, y, seed)`` with no dropout) or a capture the rewrite left unused
     read = {i.split(":")[0] for n in gd.node for i in n.input if not i.startswith("^")}
@@ -61,6 +61,17 @@ def emit(traced: TracedStep, graph_def, name: str = "remat") -> Any:
         return tf.nest.pack_sequence_as(structure, list(flat), expand_composites=True)
 
     return tf.function(body, input_signature=specs, autograph=False, reduce_retracing=False)
+
+
+def _missing_colocations(graph_def) -> set:
+    """Nodes named by a colocation constraint (``_class: loc:@NAME``) but absent from
+    ``graph_def``: ones the trace bypassed (an ``IdentityN`` of
+    ``tf.recompute_grad``'s gradient, which ``tf.clip_by_global_norm``'s ``L2Loss``
+    is colocated with), which ``import_graph_def`` would refuse."""
+    present = {n.name for n in graph_def.node}
+    named = {v[5:].decode() for n in graph_def.node if "_class" in n.attr
+             for v in n.attr["_class"].list.s if v.startswith(b"loc:@")}
+    return named - present
 
 
 def _drop_colocation_with(graph_def, names) -> None:
