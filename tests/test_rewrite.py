@@ -234,6 +234,110 @@ def test_a_recomputed_residual_sum_gets_its_own_product_and_bias_add_copies():
     assert _with_fused_producers(order + [mm, bias, add], gd, g) == order + [mm, bias, add]
 
 
+def test_a_recomputed_activation_of_a_product_plus_a_bias_vector_gets_its_own_product_and_add_copies():
+    """``tanh(x @ w + b)`` in a hand-written step: the remapper takes the ``AddV2`` of
+    a vector as long as the product's last dimension for a bias add and fuses the
+    three (``_MklNativeFusedMatMul`` with ``BiasAdd, Tanh``). A copy of the ``Tanh``
+    alone read the original ``AddV2``, and the forward pass ran unfused (steps_fuzz
+    79). An ``AddV2`` of a whole tensor is no bias add: nothing is added for it."""
+    from tfremat.rewrite import _with_fused_producers
+
+    @tf.function
+    def f(x, w, b):
+        return tf.reduce_sum(tf.tanh(tf.matmul(x, w) + b))
+
+    gd, g, ops, order = _traced(f, tf.ones((4, 3)), tf.ones((3, 5)), tf.ones((5,)))
+    mm, add, tanh = only(ops, "MatMul"), only(ops, "AddV2"), only(ops, "Tanh")
+    assert _with_fused_producers(order + [tanh], gd, g) == order + [mm, add, tanh]
+    assert _with_fused_producers(order + [mm, add, tanh], gd, g) == order + [mm, add, tanh]
+
+    @tf.function
+    def f2(x, w, h):
+        return tf.reduce_sum(tf.tanh(tf.matmul(x, w) + h))
+
+    gd, g, ops, order = _traced(f2, tf.ones((4, 3)), tf.ones((3, 5)), tf.ones((4, 5)))
+    tanh = only(ops, "Tanh")
+    assert _with_fused_producers(order + [tanh], gd, g)[-1:] == [tanh]
+    assert only(ops, "MatMul") not in _with_fused_producers(order + [tanh], gd, g)[len(order):]
+
+
+def test_a_copy_of_a_bias_add_after_its_product_copy_takes_no_ordering_edge():
+    """The remapper does not fuse ``MatMul + AddV2(bias)`` when the add has a control
+    input. A plan that recomputes ``tanh(x @ w + b)`` with a big op between the
+    product's copy and the add's gave the add's copy the wait on that op, and the
+    three ran unfused where the plain step ran one ``_MklNativeFusedMatMul``
+    (steps_fuzz 79). Waits on ops that ran before the product move to the product;
+    one that ran since is dropped."""
+    from tfremat.rewrite import rewrite_graph_def
+
+    w, b = tf.Variable(tf.ones((64, 64))), tf.Variable(tf.zeros((64,)))
+
+    @tf.function
+    def f(x, y):
+        z = tf.tanh(tf.matmul(x, w) + b)
+        return tf.reduce_sum(z * tf.sin(tf.exp(y)))
+
+    x, y = tf.ones((256, 64)), tf.ones((256, 64))
+    gd, g, ops, order = _traced(f, x, y)
+    mm, add, tanh, sin = only(ops, "MatMul"), only(ops, "AddV2"), only(ops, "Tanh"), only(ops, "Sin")
+    j = order.index(sin)
+    schedule = order[:j] + [mm, sin, add, tanh] + order[j + 1:]
+    new, _ = rewrite_graph_def(gd, schedule, g, trace(f, (x, y), {}).dtypes, strict=True)
+    nodes = {n.name: n for n in new.node}
+    assert not [i for i in nodes[add + "/_remat1"].input if i.startswith("^")]
+    assert nodes[add + "/_remat1"].input[0] == mm + "/_remat1"
+
+
+def test_a_copy_waits_on_the_latest_computation_of_what_its_original_waited_on():
+    """The moments gradient's ``sub`` waits (a control input of the trace) on
+    ``truediv_1``, which keeps Grappler from folding ``truediv_1`` into the product
+    after it. Copies of both: the copy of ``sub`` waits on the copy of ``truediv_1``,
+    as the original did on the original, and the rewrite keeps that edge where it is
+    (it is no ordering edge of its own; steps_fuzz 82)."""
+    from tfremat.rewrite import rewrite_graph_def
+
+    @tf.function
+    def f(x, y):
+        a = tf.exp(x, name="first")
+        with tf.control_dependencies([a]):
+            b = tf.sin(y, name="second")
+        return tf.reduce_sum(a * b)
+
+    gd, g, ops, order = _traced(f, tf.ones((64, 64)), tf.ones((64, 64)))
+    new, _ = rewrite_graph_def(gd, order + ["first", "second", "mul"], g, trace(f, (tf.ones((64, 64)),) * 2, {}).dtypes)
+    nodes = {n.name: n for n in new.node}
+    (copy,) = [n for n in nodes if n.startswith("second/_remat")]
+    assert "^first/_remat1" in nodes[copy].input
+    assert "^first" not in nodes[copy].input
+    assert "^first" in nodes["second"].input  # the original is untouched
+
+
+def test_an_ordering_edge_that_closes_a_cycle_is_dropped_and_traced_edges_are_kept():
+    """Re-seated ordering edges can close a cycle that import_graph_def refuses
+    (steps_fuzz 82, 1 plan in 4): one the rewrite added goes, the trace's own stay."""
+    from tensorflow.core.framework import graph_pb2
+
+    from tfremat.rewrite import _break_ordering_cycles
+
+    def graph(edges):
+        gd = graph_pb2.GraphDef()
+        for name, ins in edges:
+            n = gd.node.add()
+            n.name, n.op = name, "Identity"
+            n.input.extend(ins)
+        return gd
+
+    traced = graph([("a", []), ("b", ["a"]), ("c", ["b", "^a"]), ("d", ["c"])])
+    new = graph([("a", []), ("b", ["a", "^d"]), ("c", ["b", "^a"]), ("d", ["c"]),
+                 ("b/_remat1", ["a", "^a"]), ("c/_remat1", ["b/_remat1", "^a"])])
+    assert _break_ordering_cycles(new, traced) == 1
+    nodes = {n.name: n for n in new.node}
+    assert list(nodes["b"].input) == ["a"]
+    assert list(nodes["c"].input) == ["b", "^a"]
+    assert list(nodes["c/_remat1"].input) == ["b/_remat1", "^a"]
+    assert _break_ordering_cycles(new, traced) == 0
+
+
 def test_a_fused_cone_stops_at_a_convolution():
     """Keras' Swish ``x * sigmoid(beta * x)`` rebuilds [beta * x, sigmoid]; a ReLU
     after a first-layer convolution rebuilds nothing (the cone would reach the
@@ -1412,6 +1516,28 @@ def test_a_product_grappler_regroups_keeps_waiting_for_the_operand_it_loses(fwd_
         assert gates == []
     out, expected = emit(traced, new)(x, y), f(x, y)
     assert all(bool(tf.reduce_all(tf.equal(a, b))) for a, b in zip(out, expected))
+
+
+def test_no_regroup_gate_renames_an_operand_grappler_reads_through_an_alias():
+    """A ``tf.custom_gradient``'s output comes out of an ``IdentityN``, which Grappler
+    reads through to a producer its CSE may merge and rename; the constant of the
+    regrouped product then joins the operand whose name sorts first, and a gate named
+    after the ``IdentityN`` changed that (steps_fuzz 79: ``(c * swish) * s`` where
+    the plain step ran ``(c * s) * swish``). No gate there."""
+    from tfremat.rewrite import rewrite_graph_def
+
+    @tf.function
+    def f(x, y):
+        fwd = tf.identity_n([tf.exp(x)], name="A_forward")[0]
+        late = tf.sin(x * (tf.reduce_sum(fwd) * y))
+        return (late * fwd) * 0.1, late
+
+    x, y = tf.random.stateless_normal((64, 64), (1, 2)), tf.constant(0.37)
+    traced = trace(f, (x, y), {})
+    g = build_graph(traced.records, traced.arg_placeholders).graph
+    assert g.graph["regrouped"]
+    new, _ = rewrite_graph_def(traced.graph_def, list(g.graph["order"]), g, traced.dtypes)
+    assert not [n.name for n in new.node if n.name.endswith("_remat_regroup")]
 
 
 @pytest.mark.parametrize("late", [False, True])

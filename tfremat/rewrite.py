@@ -168,14 +168,28 @@ def _with_fused_producers(schedule: Sequence[Hashable], graph_def, graph: nx.DiG
     last: dict = {}  # node -> position of its latest computation in ``out``
     first_run: dict = {}  # node -> position of its original computation
 
+    def shape(w):
+        shapes = graph.nodes[w].get("output_shapes") if w in graph else None
+        return shapes[0] if shapes else None
+
     def contraction(v):
-        """The convolution or matrix product the remapper fuses ``v`` (a BiasAdd) with,
-        when ``v`` is its only consumer."""
-        if by_name[v].op not in _FUSED_AFTER_CONTRACTION or not data_in.get(v):
+        """The convolution or matrix product the remapper fuses ``v`` (a bias add) with,
+        when ``v`` is its only consumer. A bias add is a ``BiasAdd`` or an
+        ``Add``/``AddV2`` of a vector as long as the product's last dimension (what
+        the remapper takes for one: ``x @ w + b`` in a hand-written step; Keras writes
+        ``BiasAdd``). A copy of ``tanh(x @ w + b)`` alone read the original ``AddV2``,
+        which then ran unfused (steps_fuzz 79: 21 of 28 values apart after 3 steps)."""
+        op, ins = by_name[v].op, data_in.get(v)
+        if op not in _BIAS_ADDS or not ins or (op != "BiasAdd" and len(ins) != 2):
             return None
-        u = data_in[v][0]
-        if recomputable(u) and by_name[u].op in _CONTRACTIONS and consumers.get(u) == {v}:
-            return u
+        for k, u in enumerate(ins[:1] if op == "BiasAdd" else ins):
+            if not (recomputable(u) and by_name[u].op in _CONTRACTIONS and consumers.get(u) == {v}):
+                continue
+            if op == "BiasAdd":
+                return u
+            out, bias = shape(u), shape(ins[1 - k])
+            if out and bias is not None and len(bias) == 1 and bias[0] == out[-1]:
+                return u
         return None
 
     def fused_group(v) -> list:
@@ -586,6 +600,28 @@ def rewrite_graph_def(
     def nodes_by_name(name: str):
         return made.get(name) or nodes[name]
 
+    def fused_head(node):
+        """The contraction ``node`` follows in a remapper fusion, where ``node`` is its
+        bias add (read by nothing else: the copy was just made) or that bias add's
+        activation; else None. The remapper does not fuse a bias add that waits on a
+        control input: ``tanh(x @ w + b)`` recomputed with its product ran as
+        ``MatMul``, ``AddV2`` and ``Tanh`` where the plain step ran one
+        ``_MklNativeFusedMatMul`` (steps_fuzz 79, 21 of 28 values apart after 3
+        steps), as the copy of ``AddV2`` was ordered behind gradient products."""
+        def data(n):
+            return [_split(i)[0] for i in n.input if not i.startswith("^")]
+
+        if node.op in _FUSED_ACTIVATIONS and data(node):
+            b = made.get(data(node)[0]) or nodes.get(data(node)[0])
+            return fused_head(b) if b is not None and b.op in _BIAS_ADDS else None
+        if node.op not in _BIAS_ADDS:
+            return None
+        for i in data(node):
+            p = made.get(i) or nodes.get(i)
+            if p is not None and p.op in _CONTRACTIONS:
+                return p.name
+        return None
+
     def signature(src) -> tuple:
         """The computations ``src``'s data inputs bind to now."""
         out = []
@@ -725,7 +761,15 @@ def rewrite_graph_def(
             twin_copy = twin_gate_at is not None
         for inp in src.input:
             if inp.startswith("^"):
-                node.input.append(inp)
+                # A copy waits on the latest computation of what its original waited
+                # on, as it reads the latest of its data inputs: that op keeps its
+                # control fanout, without which Grappler folds it into a product
+                # (the moments gradient's ``sub`` waits on ``truediv_1 = Tile / n``;
+                # a copy of ``2 * truediv_1 * sub`` whose copy of ``truediv_1`` had no
+                # control fanout ran as ``(2/n * sub) * Tile``: steps_fuzz 82)
+                c = inp[1:]
+                c = twin.get(c, c)
+                node.input.append("^" + (latest.get(c, c) if k > 0 else inp[1:]))
                 continue
             op, idx = _split(inp)
             op = twin.get(op, op)
@@ -837,9 +881,17 @@ def rewrite_graph_def(
                     # prediction with the chain broken, 68-70 MiB carried over.
                     carry = [u for u in waits if u not in data_srcs]
                 else:
+                    # (a member of a contraction's fusion after the contraction: its
+                    # waits go to the contraction where they ran before it; one that
+                    # ran since is dropped, as the fusion is worth more than the order)
+                    head = fused_head(node) if k > 0 else None
                     for u in waits:
-                        if u not in data_srcs and not fused_later(u):
+                        if u in data_srcs or fused_later(u):
+                            continue
+                        if head is None:
                             node.input.append("^" + u)
+                        elif position.get(u, j) < position.get(head, j) and u != head:
+                            nodes_by_name(head).input.append("^" + u)
                     carry = []
                 anchor, floating, freeing = [node.name], [], []
             elif any(
@@ -857,6 +909,7 @@ def rewrite_graph_def(
     _keep_regrouped_pairs_ordered(new, graph_def, graph)
     for w, copies in waits_on_copies.items():
         nodes[w].input.extend("^" + c for c in copies)
+    _break_ordering_cycles(new, graph_def)
     return new, RewriteInfo(copies=n_copies, gates=len(gates), rewired_inputs=n_rewired, floating=n_floating)
 
 
@@ -1207,6 +1260,14 @@ def _keep_regrouped_pairs_ordered(new, graph_def, graph: nx.DiGraph) -> None:
             continue
         if traced[1 - k_lost] in fixed:
             continue  # a gate would hide a constant from constant folding
+        leaf = nodes.get(_split(kept_leaf)[0])
+        if leaf is not None and leaf.op in _ALIAS_SOURCES:
+            # Grappler reads through an alias (a tf.custom_gradient's IdentityN) to a
+            # producer CSE may merge and rename; the constant of ``c * a * b`` then
+            # joins the operand whose name sorts first, which a gate named after the
+            # alias would change: (c * swish) * s where the plain step ran
+            # (c * s) * swish (steps_fuzz 79, 21 of 28 values apart after 3 steps)
+            continue
         kept_op, lost_op = _split(traced[1 - k_lost])[0], _split(dropped)[0]
         if kept_op in graph and lost_op in graph and nx.has_path(graph, lost_op, kept_op):
             continue  # it waits for the lost operand anyway
@@ -1369,7 +1430,10 @@ def _anchor_ordering_edges(new, graph_def, gate_names, dtypes, position, twins=f
             base = _copy_base(n.name)
             if base not in orig_ctrl:
                 continue  # an anchor or fan-out node of this rewrite
-            own = orig_ctrl[base]  # a copy: it has the original op's control inputs
+            # a copy: it has the original op's control inputs, each on the latest
+            # computation of its source
+            own = orig_ctrl[base] | {i for i in n.input if i.startswith("^")
+                                     and "^" + (_copy_base(i[1:]) or "") in orig_ctrl[base]}
         added = [i for i in n.input if i.startswith("^") and (n.name in gate_names or i not in own)]
         for i in added:
             edges.append((n.name, i[1:]))
@@ -1837,6 +1901,52 @@ def _anchor_ordering_edges(new, graph_def, gate_names, dtypes, position, twins=f
             # sigmoid, not oneDNN's Swish) and a depthwise kernel's gradient, which
             # reads the recomputed activation, differed by 1.5e-7 after one step.
             nodes[c].input[:] = [g if i == inp else i for i in nodes[c].input]
+
+
+def _break_ordering_cycles(new, graph_def) -> int:
+    """Drop ordering edges that close a cycle (in place); return how many.
+
+    Each ordering edge follows the plan's schedule, but the re-seating rules of
+    :func:`_anchor_ordering_edges` move an edge's source to a neighbour and a gate's
+    wait to the readers of its input, and two such moves can close a cycle that
+    ``import_graph_def`` refuses ("nodes in a cycle"). Found by a random hand-written
+    step (``benchmarks/steps_fuzz.py 82``, 1 plan in 4): a gate in front of a
+    BatchNorm product copy waited on a gradient ``AddN`` that, through a re-seated
+    edge into the moments gradient, waited on that product. Data edges never close
+    a cycle (a copy reads earlier computations) and neither do the traced step's
+    own control inputs; an edge the rewrite added is only an order, so dropping
+    one costs at most a measured peak above the prediction."""
+    own = {n.name: {i for i in n.input if i.startswith("^")} for n in graph_def.node}
+    nodes = {n.name: n for n in new.node}
+
+    def added(target: str, ctrl: str) -> bool:
+        base = target if target in own else _copy_base(target)
+        if base not in own:
+            return True  # a gate or other node of the rewrite
+        src = ctrl[1:]
+        return ctrl not in own[base] and "^" + (_copy_base(src) or "") not in own[base]
+
+    dropped = 0
+    while True:
+        g = nx.DiGraph()
+        for n in new.node:
+            g.add_node(n.name)
+            for i in n.input:
+                src = _split(i.lstrip("^"))[0]
+                if src in nodes:
+                    g.add_edge(src, n.name)
+        try:
+            cycle = nx.find_cycle(g)
+        except nx.NetworkXNoCycle:
+            return dropped
+        for u, v in cycle:
+            ctrl = "^" + u
+            if ctrl in nodes[v].input and added(v, ctrl):
+                nodes[v].input.remove(ctrl)
+                dropped += 1
+                break
+        else:
+            raise AssertionError(f"a cycle of data edges and traced control edges: {cycle[:6]}")
 
 
 def _topo_order(gd, stable: bool = False) -> list:
