@@ -6,7 +6,8 @@ A debugging aid (sessions 12-36 found the pool model's and the planning graph's 
 with it; docs/design.md, "The allocator's chunks"). Builds the Keras model ``NAME`` of
 ``tests/test_models.py`` or ``benchmarks/keras_sweep.py``, puts it under
 ``tfremat.keras.remat`` at ``MIB`` (``fuzz:FAMILY:K``: model ``K`` of
-``benchmarks/keras_fuzz.py``'s family), trains ``N`` steps (default 2), then profiles one
+``benchmarks/keras_fuzz.py``'s family; ``steps:K``: step ``K`` of
+``benchmarks/steps_fuzz.py`` under ``tfremat.remat``), trains ``N`` steps (default 2), then profiles one
 more step and prints:
 
 - the allocations live at the measured peak (TensorFlow's profiler events
@@ -119,7 +120,14 @@ def main(argv=None) -> None:
     from tfremat.simulate import buffer_lifetimes, simulate
 
     tf.config.experimental.enable_op_determinism()
-    if args.name.startswith("fuzz:"):
+    if args.name.startswith("steps:"):
+        import steps_fuzz
+
+        step, data, _ = steps_fuzz.case(int(args.name.split(":")[1]))
+        fn = tfremat.remat(tf.function(step), budget_gib=args.mib / 1024)
+        fn.get_plan(*data[0])
+        call, get_plan = (lambda: fn(*data[0])), (lambda: fn.get_plan(*data[0]))
+    elif args.name.startswith("fuzz:"):
         import random
 
         import keras_fuzz
@@ -135,14 +143,17 @@ def main(argv=None) -> None:
         keras.utils.set_random_seed(0)
         model = tm._builders()[args.name]()
         model.compile(**tm._compile_kwargs(args.name))
-    tfremat.keras.remat(model, budget_gib=args.mib / 1024)
-    if args.name.startswith("fuzz:"):  # planned before the first call, as keras_fuzz.py does
-        tfremat.keras.get_plan(model, x, y, **extra)
+    if not args.name.startswith("steps:"):
+        tfremat.keras.remat(model, budget_gib=args.mib / 1024)
+        if args.name.startswith("fuzz:"):  # planned before the first call, as keras_fuzz.py does
+            tfremat.keras.get_plan(model, x, y, **extra)
+        call = lambda: model.train_on_batch(x, y, **extra)  # noqa: E731
+        get_plan = lambda: tfremat.keras.get_plan(model, x, y, **extra)  # noqa: E731
     for i in range(args.calls):
         tf.config.experimental.reset_memory_stats("CPU:0")
-        model.train_on_batch(x, y, **extra)
+        call()
         print(f"call {i}: {tf.config.experimental.get_memory_info('CPU:0')['peak'] / MIB:.2f} MiB")
-    plan = tfremat.keras.get_plan(model, x, y, **extra)
+    plan = get_plan()
     print(f"plan: tensors {plan.predicted_peak_bytes / MIB:.2f}, chunks checked "
           f"{(plan.allocator_peak_bytes or 0) / MIB:.2f}, expected {plan.expected_peak_bytes / MIB:.2f}, "
           f"fixed {plan.fixed_bytes / MIB:.2f} MiB; {len(plan.recomputed)} ops recomputed")
@@ -151,7 +162,7 @@ def main(argv=None) -> None:
     for _ in range(args.profiled):  # the executor's order varies from call to call
         before = tf.config.experimental.get_memory_info("CPU:0")["current"]
         tf.config.experimental.reset_memory_stats("CPU:0")
-        events = profile_events(lambda: model.train_on_batch(x, y, **extra))
+        events = profile_events(call)
         measured = tf.config.experimental.get_memory_info("CPU:0")["peak"]
         print(f"profiled: {measured / MIB:.2f} MiB")
         if worst is None or measured > worst[2]:

@@ -2,6 +2,7 @@
 
     python benchmarks/steps_fuzz.py [FIRST [COUNT]]      # steps FIRST .. FIRST+COUNT-1 (default 0 8)
     python benchmarks/steps_fuzz.py --show K             # print step K's drawn spec
+    python benchmarks/steps_fuzz.py --keras [FIRST [COUNT]]  # keras_fuzz models, custom steps
 
 A search for bugs in the decorator's own use case (``keras_fuzz.py`` searches Keras'
 ``fit`` path): step ``k`` is drawn from ``random.Random(104729 * k + 11)`` (the same
@@ -25,7 +26,10 @@ an update (SGD and momentum written with ``assign``, global-norm clipping, Keras
 or SGD). Each step runs 3 times as a plain ``tf.function`` in one fresh process and
 through ``tfremat.remat`` in another (``steps_sweep.py``'s harness: budget 60 % of the
 plain step's measured peak, or the smallest feasible budget + 10 %, op determinism on).
-One JSON line per step, then a summary. Results: docs/keras.md ("Session 43").
+One JSON line per step, then a summary. ``--keras``: the models of
+``keras_fuzz.py`` (its families in turn, other seeds) trained by a hand-written
+``GradientTape`` step instead of Keras' own. Results: docs/design.md ("Random
+hand-written steps").
 """
 
 from __future__ import annotations
@@ -324,18 +328,61 @@ def case(k: int):
     return step, [data] * STEPS, state
 
 
+KERAS_FAMILIES = ("unet", "multi", "rnn", "attn", "conv", "mlp", "fp16mlp", "fp16attn")
+
+
+def keras_spec(k: int) -> dict:
+    """The ``keras_fuzz.py`` model of custom step ``k``: the families in turn, from
+    seeds that family's own search does not use."""
+    import keras_fuzz
+
+    family = KERAS_FAMILIES[k % len(KERAS_FAMILIES)]
+    return keras_fuzz.draw(random.Random(7919 * (k // len(KERAS_FAMILIES)) + 1009 + len(family)), family)
+
+
+def keras_case(k: int):
+    """A Keras model of ``keras_fuzz.py`` trained by a hand-written step: ``model(x)``
+    under a ``GradientTape``, ``compute_loss`` (losses, their weights, sample weights,
+    regularizers), ``scale_loss`` (a ``LossScaleOptimizer`` under ``mixed_float16``)
+    and the compiled optimizer's ``apply_gradients``."""
+    import keras_fuzz
+    import tensorflow as tf
+
+    spec = keras_spec(k)
+    model = keras_fuzz.build(spec)
+    opt = model.optimizer
+    x, y, sw = keras_fuzz.data(spec)
+    opt.build(model.trainable_variables)
+
+    def step(x, y, sw=None):
+        with tf.GradientTape() as tape:
+            y_pred = model(x, training=True)
+            loss = model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sw, training=True)
+            scaled = opt.scale_loss(loss)
+        grads = tape.gradient(scaled, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    data = tf.nest.map_structure(tf.constant, (x, y) if sw is None else (x, y, sw))
+    return step, [data] * STEPS, lambda: list(model.variables) + list(opt.variables)
+
+
 def main(argv: list[str]) -> None:
     import steps_sweep
 
+    keras_steps = argv[:1] == ["--keras"]
+    if keras_steps:
+        argv = argv[1:]
+    spec_of = keras_spec if keras_steps else draw
     if argv[:1] == ["--show"]:
-        print(json.dumps(draw(int(argv[1]))))
+        print(json.dumps(spec_of(int(argv[1]))))
         return
     first = int(argv[0]) if argv else 0
     count = int(argv[1]) if len(argv) > 1 else 8
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for k in range(first, first + count):
-            name, st = f"fuzz:{k}", os.path.join(tmp, str(k))
+            name, st = f"{'kfuzz' if keras_steps else 'fuzz'}:{k}", os.path.join(tmp, str(k))
             ref = steps_sweep.run(name, "ref", st)
             if "error" in ref:
                 row = {"k": k, "error": "reference: " + ref["error"][-300:]}
@@ -354,7 +401,7 @@ def main(argv: list[str]) -> None:
                            "expected": r["expected"], "recomputed": r["recomputed"],
                            "unequal": f"{r['n_unequal']} of {r['n_values']}, max {r['max_abs_diff']:.1e}"}
             rows.append(row)
-            print(json.dumps({**row, "spec": draw(k)}), flush=True)
+            print(json.dumps({**row, "spec": spec_of(k)}), flush=True)
     ran = [r for r in rows if "bitwise" in r]
     bad = [f"{r['k']}: {r.get('error') or ('over' if not r['under'] else 'not bitwise')}"
            for r in rows if "skipped" not in r and not (r.get("bitwise") and r.get("under"))]

@@ -41,6 +41,10 @@ def _case(name):
         import steps_fuzz
 
         return steps_fuzz.case(int(name.removeprefix("fuzz:")))
+    if name.startswith("kfuzz:"):  # a keras_fuzz.py model in a hand-written step
+        import steps_fuzz
+
+        return steps_fuzz.keras_case(int(name.removeprefix("kfuzz:")))
     import tensorflow as tf
     import keras
 
@@ -386,6 +390,9 @@ def worker(name, role, state_file):
     out["n_unequal"] = sum(1 for a, b in zip(vals, ref_vals)
                            if not np.array_equal(a, b, equal_nan=a.dtype.kind in "fc"))
     out["max_abs_diff"] = max(diffs) if diffs else 0.0
+    out["unequal_at"] = [i for i, (a, b) in enumerate(zip(vals, ref_vals))
+                         if not np.array_equal(a, b, equal_nan=a.dtype.kind in "fc")][:40]
+    out["n_state"] = len(vals) - sum(len(s) for s in outs)
     out["shape_mismatch"] = len(vals) != len(ref_vals)
     return out
 
