@@ -73,6 +73,7 @@ def draw(k: int) -> dict:
 def case(k: int):
     """``(step, data, state)`` of step ``k``, as ``steps_sweep._case`` returns them."""
     import keras
+    import steps_sweep
     import tensorflow as tf
 
     s = draw(k)
@@ -105,15 +106,7 @@ def case(k: int):
                 "sigmoid": tf.sigmoid, "softplus": tf.nn.softplus, "elu": tf.nn.elu,
                 "selu": tf.nn.selu, "relu6": tf.nn.relu6}[a](h)
 
-    @tf.custom_gradient
-    def clipped_swish(x):
-        y = x * tf.sigmoid(x)
-
-        def grad(dy):
-            g = tf.sigmoid(x)
-            return tf.clip_by_value(dy * (g + x * g * (1.0 - g)), -1.0, 1.0)
-
-        return y, grad
+    clipped_swish = steps_sweep.clipped_swish_op()
 
     def dropout(h, seed, i):
         keep = tf.random.stateless_uniform(tf.shape(h), seed=seed + i) >= 0.2

@@ -36,6 +36,23 @@ STEPS = 3
 MIB = 2**20
 
 
+def clipped_swish_op():
+    """``x * sigmoid(x)`` as a ``tf.custom_gradient`` whose gradient is clipped to [-1, 1]."""
+    import tensorflow as tf
+
+    @tf.custom_gradient
+    def clipped_swish(x):
+        y = x * tf.sigmoid(x)
+
+        def grad(dy):
+            s = tf.sigmoid(x)
+            return tf.clip_by_value(dy * (s + x * s * (1 - s)), -1.0, 1.0)
+
+        return y, grad
+
+    return clipped_swish
+
+
 def _case(name):
     if name.startswith("fuzz:"):  # a random step of steps_fuzz.py
         import steps_fuzz
@@ -125,17 +142,7 @@ def _case(name):
 
     if name == "custom_grad":
         B, D = 512, 512
-
-        @tf.custom_gradient
-        def clipped_swish(x):
-            y = x * tf.sigmoid(x)
-
-            def grad(dy):
-                s = tf.sigmoid(x)
-                return tf.clip_by_value(dy * (s + x * s * (1 - s)), -1.0, 1.0)
-
-            return y, grad
-
+        clipped_swish = clipped_swish_op()
         return mlp_case(8, B, D, lambda i, h: clipped_swish(h))
 
     if name == "recompute_grad":
