@@ -1479,6 +1479,26 @@ def test_a_swish_sigmoid_drives_no_ordering_edge():
     assert sig_y in driven
 
 
+def test_an_original_swish_sigmoid_takes_no_ordering_edge():
+    """Keras' Swish is ``x * sigmoid(beta * x)``. An ordering edge onto the forward
+    pass's Sigmoid went through a gate in front of ``beta * x``: the product read
+    ``x`` and the Sigmoid the gate, no Swish pattern, and the step ran
+    ``Mul(x, Sigmoid)`` where Keras' ran ``_MklSwish`` (steps_fuzz --keras 17). The
+    edge is dropped; onto a Sigmoid no Swish reads it stays."""
+    @tf.function
+    def f(x, y):
+        p = tf.exp(y, name="p")
+        s = tf.sigmoid(1.0 * x, name="sig_x")
+        t = tf.sigmoid(2.0 * y, name="sig_y")  # no Swish: read by an Exp
+        return x * s, tf.exp(t), p
+
+    gd, _, ops, order = _traced(f, tf.ones((4,)), tf.ones((4,)))
+    p, sig_x, sig_y = "p", "sig_x", "sig_y"
+    nodes = _anchored(gd, order, [(sig_x, p), (sig_y, p)])
+    assert _waits(nodes, sig_x) == []
+    assert _waits(nodes, sig_y) == ["^" + p]
+
+
 def _regroup_step(fwd_name):
     @tf.function
     def f(x, y):

@@ -1862,6 +1862,15 @@ def _anchor_ordering_edges(new, graph_def, gate_names, dtypes, position, twins=f
         node.input.extend(ins)
         if not srcs:
             continue
+        if _copy_base(v) is None and swish_sigmoid(v):
+            # An original Swish's Sigmoid takes no ordering edge: a gate in front
+            # of its input (``beta * x``) would leave the product reading ``x`` and
+            # the Sigmoid the gate, no Swish pattern (a copy's gate goes on ``x``
+            # for both, _cone_entrance). Found by a keras_fuzz two-input model in a
+            # hand-written step (steps_fuzz --keras 17): the forward pass ran
+            # ``Mul(x, Sigmoid)`` where Keras' ran ``_MklSwish``, 54 of 62 values
+            # apart after 3 steps.
+            continue
         if node.op == "AddN":
             # A gradient AddN ordered through a control input or a gate on one of its
             # inputs was summed differently (NASNetMobile, nothing recomputed,
