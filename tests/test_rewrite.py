@@ -1644,6 +1644,39 @@ def _assert_copies_of_m_apart(f, chain, again):
     assert bool(tf.reduce_all(tf.equal(out, expected)))
 
 
+def test_the_x_of_a_swish_never_takes_the_gate_that_sets_copies_apart():
+    """Keras' Swish ``x * sigmoid(beta * x)`` recomputed twice from one copy of ``x``:
+    the second ``beta * x`` is a twin of the first, and the rule that sets twins apart
+    gated its ``x`` (an elementwise BatchNorm sum), so the Swish's product read ``x``
+    and its Sigmoid the gate: no ``_MklSwish`` (keras_fuzz conv 2 at a 10.1 MiB
+    budget, 61 variables apart after 3 steps). Both read the same tensor."""
+    from tfremat.rewrite import rewrite_graph_def
+
+    @tf.function
+    def f(x, y):
+        c = tf.add(tf.sin(x, name="C0"), 1.0, name="C")
+        b = tf.multiply(1.0, c, name="B")
+        p = tf.multiply(c, tf.sigmoid(b, name="S"), name="P")
+        r1 = tf.exp(p, name="R1")
+        t = tf.tanh(y, name="T")
+        r2 = tf.cos(p, name="R2")
+        u = tf.sqrt(tf.abs(y), name="U")
+        r3 = tf.sin(p, name="R3")
+        return r1 + r2 + r3 + t + u
+
+    args = (tf.random.stateless_normal((256, 256), (1, 2)), tf.random.stateless_normal((256, 256), (3, 4)))
+    traced = trace(f, args, {})
+    g = build_graph(traced.records, traced.arg_placeholders).graph
+    order = list(g.graph["order"])
+    head = order[: order.index("R1") + 1]
+    rest = [v for v in order if v not in head and v not in ("T", "R2", "Abs", "U", "R3")]
+    schedule = head + ["T", "C", "B", "S", "P", "R2", "Abs", "U", "B", "S", "P", "R3"] + rest
+    gd, _ = rewrite_graph_def(traced.graph_def, schedule, g, traced.dtypes, strict=True)
+    nodes = {n.name: n for n in gd.node}
+    (x,) = [i for i in nodes["P/_remat2"].input if not i.startswith("^") and not i.startswith("S/")]
+    assert x in nodes["B/_remat2"].input, (list(nodes["P/_remat2"].input), list(nodes["B/_remat2"].input))
+
+
 def test_copies_of_a_product_of_elementwise_ops_are_kept_apart_by_a_gate():
     """The exact GELU ``(x * 0.5) * erfc(-x / sqrt 2)``: a plan may keep the two
     factors' copies for the gradient and recompute their product twice from them.
