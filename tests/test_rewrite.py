@@ -1622,11 +1622,9 @@ def test_copies_of_one_op_from_the_same_inputs_are_kept_apart_by_a_gate():
     _assert_copies_of_m_apart(f, ["C", "M", "A"], ["M", "A"])
 
 
-def _assert_copies_of_m_apart(f, chain, again):
-    """Plan ``f`` (ops named R1, T, R2, Abs, U, R3 and M) with ``chain`` recomputed
-    after T and ``again`` after U, M in both; the two copies of M read different
-    tensors, and the rewritten step computes the same bits."""
-    from tfremat.emit import emit
+def _recomputed_twice(f, chain, again):
+    """``(traced, rewritten graph_def, args)`` of ``f`` (ops named R1, T, R2, Abs, U
+    and R3) planned with ``chain`` recomputed after T and ``again`` after U."""
     from tfremat.rewrite import rewrite_graph_def
 
     args = (tf.random.stateless_normal((256, 256), (1, 2)), tf.random.stateless_normal((256, 256), (3, 4)))
@@ -1637,6 +1635,16 @@ def _assert_copies_of_m_apart(f, chain, again):
     rest = [v for v in order if v not in head and v not in ("T", "R2", "Abs", "U", "R3")]
     schedule = head + ["T", *chain, "R2", "Abs", "U", *again, "R3"] + rest
     gd, _ = rewrite_graph_def(traced.graph_def, schedule, g, traced.dtypes, strict=True)
+    return traced, gd, args
+
+
+def _assert_copies_of_m_apart(f, chain, again):
+    """Plan ``f`` (ops named R1, T, R2, Abs, U, R3 and M) with ``chain`` recomputed
+    after T and ``again`` after U, M in both; the two copies of M read different
+    tensors, and the rewritten step computes the same bits."""
+    from tfremat.emit import emit
+
+    traced, gd, args = _recomputed_twice(f, chain, again)
     nodes = {n.name: n for n in gd.node}
     first, second = nodes["M/_remat1"], nodes["M/_remat2"]
     assert list(first.input) != list(second.input), "CSE would merge the two copies"
@@ -1650,8 +1658,6 @@ def test_the_x_of_a_swish_never_takes_the_gate_that_sets_copies_apart():
     gated its ``x`` (an elementwise BatchNorm sum), so the Swish's product read ``x``
     and its Sigmoid the gate: no ``_MklSwish`` (keras_fuzz conv 2 at a 10.1 MiB
     budget, 61 variables apart after 3 steps). Both read the same tensor."""
-    from tfremat.rewrite import rewrite_graph_def
-
     @tf.function
     def f(x, y):
         c = tf.add(tf.sin(x, name="C0"), 1.0, name="C")
@@ -1664,14 +1670,7 @@ def test_the_x_of_a_swish_never_takes_the_gate_that_sets_copies_apart():
         r3 = tf.sin(p, name="R3")
         return r1 + r2 + r3 + t + u
 
-    args = (tf.random.stateless_normal((256, 256), (1, 2)), tf.random.stateless_normal((256, 256), (3, 4)))
-    traced = trace(f, args, {})
-    g = build_graph(traced.records, traced.arg_placeholders).graph
-    order = list(g.graph["order"])
-    head = order[: order.index("R1") + 1]
-    rest = [v for v in order if v not in head and v not in ("T", "R2", "Abs", "U", "R3")]
-    schedule = head + ["T", "C", "B", "S", "P", "R2", "Abs", "U", "B", "S", "P", "R3"] + rest
-    gd, _ = rewrite_graph_def(traced.graph_def, schedule, g, traced.dtypes, strict=True)
+    _, gd, _ = _recomputed_twice(f, ["C", "B", "S", "P"], ["B", "S", "P"])
     nodes = {n.name: n for n in gd.node}
     (x,) = [i for i in nodes["P/_remat2"].input if not i.startswith("^") and not i.startswith("S/")]
     assert x in nodes["B/_remat2"].input, (list(nodes["P/_remat2"].input), list(nodes["B/_remat2"].input))
