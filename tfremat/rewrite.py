@@ -1440,16 +1440,10 @@ def _anchor_ordering_edges(new, graph_def, gate_names, dtypes, position, twins=f
     # Ordering edges added by the rewrite: (target, source).
     edges = []
     for n in new.node:
-        own = orig_ctrl.get(n.name)
-        if own is None and n.name not in gate_names:
-            base = _copy_base(n.name)
-            if base not in orig_ctrl:
-                continue  # an anchor or fan-out node of this rewrite
-            # a copy: it has the original op's control inputs, each on the latest
-            # computation of its source
-            own = orig_ctrl[base] | {i for i in n.input if i.startswith("^")
-                                     and "^" + (_copy_base(i[1:]) or "") in orig_ctrl[base]}
-        added = [i for i in n.input if i.startswith("^") and (n.name in gate_names or i not in own)]
+        if n.name not in gate_names and n.name not in orig_ctrl and _copy_base(n.name) not in orig_ctrl:
+            continue  # an anchor or fan-out node of this rewrite
+        added = [i for i in n.input if i.startswith("^")
+                 and (n.name in gate_names or not _traced_control(n.name, i, orig_ctrl))]
         for i in added:
             edges.append((n.name, i[1:]))
     if not edges:
@@ -1927,6 +1921,20 @@ def _anchor_ordering_edges(new, graph_def, gate_names, dtypes, position, twins=f
             nodes[c].input[:] = [g if i == inp else i for i in nodes[c].input]
 
 
+def _traced_control(target: str, ctrl: str, traced: dict) -> bool:
+    """Whether the control input ``ctrl`` (``^op``) of ``target`` is one the traced
+    step gave it (``traced``: op name -> its control inputs): an original's own, or
+    a copy's original's, which a copy waits on at the latest computation of its
+    source (``^op/_remat<k>``; an original keeps the traced name). Any other is an ordering edge of the rewrite; so is
+    every control input of a node the rewrite made (a gate)."""
+    if target in traced:
+        return ctrl in traced[target]
+    base = _copy_base(target)
+    if base not in traced:
+        return False
+    return ctrl in traced[base] or "^" + (_copy_base(ctrl[1:]) or "") in traced[base]
+
+
 def _break_ordering_cycles(new, graph_def) -> int:
     """Drop ordering edges that close a cycle (in place); return how many.
 
@@ -1943,13 +1951,6 @@ def _break_ordering_cycles(new, graph_def) -> int:
     own = {n.name: {i for i in n.input if i.startswith("^")} for n in graph_def.node}
     nodes = {n.name: n for n in new.node}
 
-    def added(target: str, ctrl: str) -> bool:
-        base = target if target in own else _copy_base(target)
-        if base not in own:
-            return True  # a gate or other node of the rewrite
-        src = ctrl[1:]
-        return ctrl not in own[base] and "^" + (_copy_base(src) or "") not in own[base]
-
     dropped = 0
     while True:
         g = nx.DiGraph()
@@ -1965,7 +1966,7 @@ def _break_ordering_cycles(new, graph_def) -> int:
             return dropped
         for u, v in cycle:
             ctrl = "^" + u
-            if ctrl in nodes[v].input and added(v, ctrl):
+            if ctrl in nodes[v].input and not _traced_control(v, ctrl, own):
                 nodes[v].input.remove(ctrl)
                 dropped += 1
                 break
